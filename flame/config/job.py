@@ -1,0 +1,207 @@
+"""The job configuration: one typed dataclass per TOML section.
+
+A job is one TOML file whose top-level tables are exactly the fields of `JobConfig`. Every field
+has a default, so a file only names what it changes. `flame.config.loader` parses the file and
+command-line overrides (`--training.steps 100`) into these classes and validates them.
+
+Field docstrings (the string right after a field) are the config reference: `--help-config`
+and the README's reference table are generated from them, so keep them short and exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Job:
+    name: str = "flame"
+    """Run name, used for the dump folder default and the wandb run name."""
+    dump_folder: str = "outputs/flame"
+    """Where the run writes config.toml, metrics.jsonl, logs and checkpoints."""
+    seed: int = 42
+    """Seed for model init, data order and dropout-free determinism."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower); needed for bitwise-reproducible GPU runs."""
+
+
+@dataclass
+class Model:
+    family: str = "rwkv7"
+    """Model family: "rwkv6", "rwkv7" or "gsa"."""
+    vocab_size: int = 32000
+    """Vocabulary size; must equal the tokenizer's (added tokens included)."""
+    hidden_size: int = 1024
+    """Model width."""
+    num_layers: int = 24
+    """Number of blocks."""
+    head_dim: int = 64
+    """Per-head key/value dimension for RWKV6 and RWKV7 (heads = hidden_size / head_dim)."""
+    num_heads: int = 4
+    """GSA only: number of attention heads (head dim = hidden_size / num_heads)."""
+    num_kv_heads: int = 0
+    """GSA only: key/value heads for grouped queries; 0 means num_heads."""
+    num_slots: int = 64
+    """GSA only: number of memory slots M."""
+    gate_logit_normalizer: float = 8.0
+    """GSA only: g = logsigmoid(f) / gate_logit_normalizer."""
+    ffn_hidden_size: int = 0
+    """FFN width; 0 picks the family default (RWKV6 3.5x rounded to 32, RWKV7 4x, GSA SwiGLU)."""
+    mix_low_rank_dim: int = 32
+    """RWKV6 only: rank of the data-dependent token-shift LoRA."""
+    decay_low_rank_dim: int = 0
+    """Rank of the decay LoRA; 0 picks the official formula for the family."""
+    a_low_rank_dim: int = 0
+    """RWKV7 only: rank of the in-context learning-rate LoRA; 0 picks the official formula."""
+    v_low_rank_dim: int = 0
+    """RWKV7 only: rank of the value-residual LoRA; 0 picks the official formula."""
+    gate_low_rank_dim: int = 0
+    """RWKV7 only: rank of the output-gate LoRA; 0 picks the official formula."""
+    norm_eps: float = 1e-5
+    """Epsilon of the LayerNorm / RMSNorm layers."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding and the output head."""
+    l2wrap: bool = True
+    """RWKV7: add the L2Wrap logit penalty to the gradient (the reported loss is unchanged)."""
+    backend: str = "auto"
+    """Attention kernels: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch"."""
+
+
+@dataclass
+class Data:
+    dataset: str = "embedded"
+    """"embedded" (the shipped corpus), a HF hub dataset name, or a local dataset type
+    ("json", "parquet", "text") used with data_files."""
+    name: str = ""
+    """HF dataset configuration name."""
+    split: str = "train"
+    """Dataset split to train on."""
+    data_files: list[str] = field(default_factory=list)
+    """Glob patterns of local files (jsonl, json, parquet, text)."""
+    streaming: bool = False
+    """Stream the dataset instead of downloading it whole."""
+    text_field: str = "text"
+    """Name of the text column."""
+    tokenizer: str = ""
+    """Path to a tokenizer.json or a HF tokenizer directory; empty means the embedded tokenizer."""
+    val_fraction: float = 0.01
+    """Fraction of documents held out for validation (0 disables the validation split)."""
+    num_workers: int = 0
+    """Data-loader worker processes for online tokenization."""
+
+
+@dataclass
+class Training:
+    batch_size: int = 8
+    """Sequences per micro-batch per data-parallel rank."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    steps: int = 10000
+    """Optimizer steps to train."""
+    max_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
+    mixed_precision_param: str = "bfloat16"
+    """Parameter dtype for compute under FSDP on GPU: "bfloat16", "float16" or "float32"."""
+    mixed_precision_reduce: str = "float32"
+    """Gradient reduce dtype under FSDP."""
+    compile: bool = False
+    """torch.compile each block."""
+    activation_checkpoint: str = "none"
+    """Activation checkpointing: "none", "full" or "selective"."""
+    max_consecutive_nan_steps: int = 5
+    """Stop after this many non-finite steps in a row."""
+    nan_recovery: bool = False
+    """On that stop, reload the last good checkpoint and skip the data window that caused it."""
+    varlen: bool = False
+    """Pack documents into one row per micro-batch and pass cu_seqlens to the kernels."""
+    device: str = "auto"
+    """"auto" (CUDA if available), "cuda" or "cpu"."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer; AdamW is supported."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms, biases, embeddings, mixing and decay vectors."""
+    implementation: str = "foreach"
+    """"fused", "foreach" or "for-loop"."""
+    decay_lr_multiplier: float = 2.0
+    """LR multiplier for the RWKV decay bias (time_decay / w0), as in RWKV practice."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Linear warmup steps."""
+    decay_type: str = "cosine"
+    """"cosine", "linear" or "wsd" (stable, then decay over the last decay_ratio of training)."""
+    decay_ratio: float = 0.1
+    """WSD only: fraction of training spent decaying."""
+    lr_min: float = 0.0
+    """Learning rate at the end of training (absolute)."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = True
+    """Write checkpoints."""
+    folder: str = "checkpoint"
+    """Sub-folder of dump_folder holding step-N checkpoints."""
+    interval: int = 500
+    """Save every this many steps (and at the end)."""
+    keep_latest_k: int = 3
+    """Keep only the newest k checkpoints; 0 keeps all."""
+    async_mode: str = "disabled"
+    """"disabled" or "async"."""
+    load_step: int = -1
+    """Resume from this step; -1 picks the latest complete checkpoint."""
+    initial_load_path: str = ""
+    """Start a new run from this checkpoint folder."""
+    initial_load_model_only: bool = True
+    """With initial_load_path: load only the model weights."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log every this many steps."""
+    enable_wandb: bool = False
+    """Log to wandb (offline automatically without an API key)."""
+    wandb_project: str = "flame"
+    """wandb project name."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files."""
+    val_freq: int = 0
+    """Evaluate the validation loss every this many steps (0 disables)."""
+    val_steps: int = 10
+    """Micro-batches per validation evaluation."""
+
+
+@dataclass
+class Parallel:
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree; -1 uses every rank not used by replication."""
+    data_parallel_replicate_degree: int = 1
+    """Replicas for HSDP / DDP-style replication."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    parallel: Parallel = field(default_factory=Parallel)

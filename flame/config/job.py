@@ -4,22 +4,34 @@ A job is one TOML file whose top-level tables are exactly the fields of `JobConf
 has a default, so a file only names what it changes. `flame.config.loader` parses the file and
 command-line overrides (`--training.steps 100`) into these classes and validates them.
 
-Field docstrings (the string right after a field) are the config reference: `--help-config`
-and the README's reference table are generated from them, so keep them short and exact.
+Field docstrings (the string right after a field) are the config reference: `--help` and the
+README's reference table are generated from them, so keep them short and exact.
+
+Each field's constraints live in its `metadata`, read by the loader: `ge`, `gt`, `le`, `lt`,
+`ne` (numeric bounds), `choices` (allowed values), `nonempty` (strings and lists), `length` and
+`item_range` (lists: exact length; each item in [low, high)). Facts that involve several fields
+are checked in `flame.config.loader.cross_field_problems`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def one_of(*choices: str) -> dict:
+    """Field metadata: the value must be one of `choices`."""
+    return {"choices": choices}
+
 
 @dataclass
 class Job:
-    name: str = "flame"
+    name: str = field(default="flame", metadata={"nonempty": True})
     """Run name, used for the dump folder default and the wandb run name."""
-    dump_folder: str = "outputs/flame"
+    dump_folder: str = field(default="outputs/flame", metadata={"nonempty": True})
     """Where the run writes config.toml, metrics.jsonl, logs and checkpoints."""
-    seed: int = 42
+    seed: int = field(default=42, metadata={"ge": 0, "le": 2**32 - 1})
     """Seed for model init, data order and dropout-free determinism."""
     deterministic: bool = False
     """Use deterministic algorithms (slower); needed for bitwise-reproducible GPU runs."""
@@ -27,126 +39,128 @@ class Job:
 
 @dataclass
 class Model:
-    family: str = "rwkv7"
+    family: str = field(default="rwkv7", metadata=one_of("rwkv6", "rwkv7", "gsa"))
     """Model family: "rwkv6", "rwkv7" or "gsa"."""
-    vocab_size: int = 32000
+    vocab_size: int = field(default=32000, metadata={"ge": 1})
     """Vocabulary size; must equal the tokenizer's (added tokens included)."""
-    hidden_size: int = 1024
+    hidden_size: int = field(default=1024, metadata={"ge": 1})
     """Model width."""
-    num_layers: int = 24
+    num_layers: int = field(default=24, metadata={"ge": 1})
     """Number of blocks."""
-    head_dim: int = 64
+    head_dim: int = field(default=64, metadata={"ge": 1})
     """Per-head key/value dimension for RWKV6 and RWKV7 (heads = hidden_size / head_dim)."""
-    num_heads: int = 4
+    num_heads: int = field(default=4, metadata={"ge": 1})
     """GSA only: number of attention heads (head dim = hidden_size / num_heads)."""
-    num_kv_heads: int = 0
+    num_kv_heads: int = field(default=0, metadata={"ge": 0})
     """GSA only: key/value heads for grouped queries; 0 means num_heads."""
-    num_slots: int = 64
+    num_slots: int = field(default=64, metadata={"ge": 1})
     """GSA only: number of memory slots M."""
-    gate_logit_normalizer: float = 8.0
+    gate_logit_normalizer: float = field(default=8.0, metadata={"gt": 0})
     """GSA only: g = logsigmoid(f) / gate_logit_normalizer."""
-    ffn_hidden_size: int = 0
+    ffn_hidden_size: int = field(default=0, metadata={"ge": 0})
     """FFN width; 0 picks the family default (RWKV6 3.5x rounded to 32, RWKV7 4x, GSA SwiGLU)."""
-    mix_low_rank_dim: int = 32
+    mix_low_rank_dim: int = field(default=32, metadata={"ge": 1})
     """RWKV6 only: rank of the data-dependent token-shift LoRA."""
-    decay_low_rank_dim: int = 0
+    decay_low_rank_dim: int = field(default=0, metadata={"ge": 0})
     """Rank of the decay LoRA; 0 picks the official formula for the family."""
-    a_low_rank_dim: int = 0
+    a_low_rank_dim: int = field(default=0, metadata={"ge": 0})
     """RWKV7 only: rank of the in-context learning-rate LoRA; 0 picks the official formula."""
-    v_low_rank_dim: int = 0
+    v_low_rank_dim: int = field(default=0, metadata={"ge": 0})
     """RWKV7 only: rank of the value-residual LoRA; 0 picks the official formula."""
-    gate_low_rank_dim: int = 0
+    gate_low_rank_dim: int = field(default=0, metadata={"ge": 0})
     """RWKV7 only: rank of the output-gate LoRA; 0 picks the official formula."""
-    norm_eps: float = 1e-5
+    norm_eps: float = field(default=1e-5, metadata={"gt": 0})
     """Epsilon of the LayerNorm / RMSNorm layers."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the output head."""
     l2wrap: bool = True
     """RWKV7: add the L2Wrap logit penalty to the gradient (the reported loss is unchanged)."""
-    backend: str = "auto"
+    backend: str = field(default="auto", metadata=one_of("auto", "triton", "torch"))
     """Attention kernels: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch"."""
 
 
 @dataclass
 class Data:
-    dataset: str = "embedded"
+    dataset: str = field(default="embedded", metadata={"nonempty": True})
     """"embedded" (the shipped corpus), a HF hub dataset name, or a local dataset type
     ("json", "parquet", "text") used with data_files."""
     name: str = ""
     """HF dataset configuration name."""
-    split: str = "train"
+    split: str = field(default="train", metadata={"nonempty": True})
     """Dataset split to train on."""
     data_files: list[str] = field(default_factory=list)
     """Glob patterns of local files (jsonl, json, parquet, text)."""
     streaming: bool = False
     """Stream the dataset instead of downloading it whole."""
-    text_field: str = "text"
+    text_field: str = field(default="text", metadata={"nonempty": True})
     """Name of the text column."""
     tokenizer: str = ""
     """Path to a tokenizer.json or a HF tokenizer directory; empty means the embedded tokenizer."""
-    val_fraction: float = 0.01
+    val_fraction: float = field(default=0.01, metadata={"ge": 0, "lt": 1})
     """Fraction of documents held out for validation (0 disables the validation split)."""
-    num_workers: int = 0
+    num_workers: int = field(default=0, metadata={"ge": 0})
     """Data-loader worker processes for online tokenization."""
 
 
 @dataclass
 class Training:
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata={"ge": 1})
     """Sequences per micro-batch per data-parallel rank."""
-    seq_len: int = 2048
+    seq_len: int = field(default=2048, metadata={"ge": 1})
     """Tokens per sequence."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = field(default=1, metadata={"ge": 1})
     """Micro-batches per optimizer step."""
-    steps: int = 10000
+    steps: int = field(default=10000, metadata={"ge": 1})
     """Optimizer steps to train."""
-    max_norm: float = 1.0
+    max_norm: float = field(default=1.0, metadata={"ge": 0})
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
-    mixed_precision_param: str = "bfloat16"
+    mixed_precision_param: str = field(default="bfloat16", metadata=one_of(*DTYPES))
     """Parameter dtype for compute under FSDP on GPU: "bfloat16", "float16" or "float32"."""
-    mixed_precision_reduce: str = "float32"
+    mixed_precision_reduce: str = field(default="float32", metadata=one_of(*DTYPES))
     """Gradient reduce dtype under FSDP."""
     compile: bool = False
     """torch.compile each block."""
-    activation_checkpoint: str = "none"
+    activation_checkpoint: str = field(default="none", metadata=one_of("none", "full", "selective"))
     """Activation checkpointing: "none", "full" or "selective"."""
-    max_consecutive_nan_steps: int = 5
+    max_consecutive_nan_steps: int = field(default=5, metadata={"ge": 1})
     """Stop after this many non-finite steps in a row."""
     nan_recovery: bool = False
     """On that stop, reload the last good checkpoint and skip the data window that caused it."""
     varlen: bool = False
     """Pack documents into one row per micro-batch and pass cu_seqlens to the kernels."""
-    device: str = "auto"
+    device: str = field(default="auto", metadata=one_of("auto", "cuda", "cpu"))
     """"auto" (CUDA if available), "cuda" or "cpu"."""
 
 
 @dataclass
 class Optimizer:
-    name: str = "AdamW"
+    name: str = field(default="AdamW", metadata=one_of("AdamW"))
     """Optimizer; AdamW is supported."""
-    lr: float = 3e-4
+    lr: float = field(default=3e-4, metadata={"gt": 0})
     """Peak learning rate."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(
+        default_factory=lambda: [0.9, 0.95], metadata={"length": 2, "item_range": (0.0, 1.0)}
+    )
     """Adam betas."""
-    eps: float = 1e-8
+    eps: float = field(default=1e-8, metadata={"gt": 0})
     """Adam epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata={"ge": 0})
     """Decoupled weight decay; never applied to norms, biases, embeddings, mixing and decay vectors."""
-    implementation: str = "foreach"
+    implementation: str = field(default="foreach", metadata=one_of("fused", "foreach", "for-loop"))
     """"fused", "foreach" or "for-loop"."""
-    decay_lr_multiplier: float = 2.0
+    decay_lr_multiplier: float = field(default=2.0, metadata={"ge": 0})
     """LR multiplier for the RWKV decay bias (time_decay / w0), as in RWKV practice."""
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 200
+    warmup_steps: int = field(default=200, metadata={"ge": 0})
     """Linear warmup steps."""
-    decay_type: str = "cosine"
+    decay_type: str = field(default="cosine", metadata=one_of("cosine", "linear", "wsd"))
     """"cosine", "linear" or "wsd" (stable, then decay over the last decay_ratio of training)."""
-    decay_ratio: float = 0.1
+    decay_ratio: float = field(default=0.1, metadata={"ge": 0, "le": 1})
     """WSD only: fraction of training spent decaying."""
-    lr_min: float = 0.0
+    lr_min: float = field(default=0.0, metadata={"ge": 0})
     """Learning rate at the end of training (absolute)."""
 
 
@@ -154,15 +168,15 @@ class LRScheduler:
 class Checkpoint:
     enable: bool = True
     """Write checkpoints."""
-    folder: str = "checkpoint"
+    folder: str = field(default="checkpoint", metadata={"nonempty": True})
     """Sub-folder of dump_folder holding step-N checkpoints."""
-    interval: int = 500
+    interval: int = field(default=500, metadata={"ge": 1})
     """Save every this many steps (and at the end)."""
-    keep_latest_k: int = 3
+    keep_latest_k: int = field(default=3, metadata={"ge": 0})
     """Keep only the newest k checkpoints; 0 keeps all."""
-    async_mode: str = "disabled"
+    async_mode: str = field(default="disabled", metadata=one_of("disabled", "async"))
     """"disabled" or "async"."""
-    load_step: int = -1
+    load_step: int = field(default=-1, metadata={"ge": -1})
     """Resume from this step; -1 picks the latest complete checkpoint."""
     initial_load_path: str = ""
     """Start a new run from this checkpoint folder."""
@@ -172,25 +186,25 @@ class Checkpoint:
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
+    log_freq: int = field(default=10, metadata={"ge": 1})
     """Log every this many steps."""
     enable_wandb: bool = False
     """Log to wandb (offline automatically without an API key)."""
-    wandb_project: str = "flame"
+    wandb_project: str = field(default="flame", metadata={"nonempty": True})
     """wandb project name."""
     enable_tensorboard: bool = False
     """Write TensorBoard event files."""
-    val_freq: int = 0
+    val_freq: int = field(default=0, metadata={"ge": 0})
     """Evaluate the validation loss every this many steps (0 disables)."""
-    val_steps: int = 10
+    val_steps: int = field(default=10, metadata={"ge": 1})
     """Micro-batches per validation evaluation."""
 
 
 @dataclass
 class Parallel:
-    data_parallel_shard_degree: int = -1
+    data_parallel_shard_degree: int = field(default=-1, metadata={"ge": -1, "ne": 0})
     """FSDP shard degree; -1 uses every rank not used by replication."""
-    data_parallel_replicate_degree: int = 1
+    data_parallel_replicate_degree: int = field(default=1, metadata={"ge": 1})
     """Replicas for HSDP / DDP-style replication."""
 
 

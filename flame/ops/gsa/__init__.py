@@ -1,0 +1,5 @@
+"""GSA ops."""
+
+from .naive import naive_gsa
+
+__all__ = ["naive_gsa"]

@@ -1,0 +1,64 @@
+"""The RWKV7 (DPLR delta rule) recurrence, step by step (kernels.md section 2.1): the test oracle.
+
+For one (sequence, head), with the state S in R^{K x V} and sc the scale:
+
+    p_t = a_t^T S_{t-1}                                       (1 x V)
+    S_t = exp(w_t) * S_{t-1} + b_t p_t + k_t v_t^T
+    o_t = S_t^T (sc r_t)                                      (reads the state after the update)
+
+w is the log-decay (<= 0). In the RWKV7 layer a = -kappa_hat and b = kappa_hat * alpha.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rwkv7_steps(r, w, k, v, a, b, scale, state):
+    """r, w, k, a, b [N,T,H,K], v [N,T,H,V], state [N,H,K,V] -> o [N,T,H,V], final state."""
+    outputs = []
+    for t in range(r.shape[1]):
+        p_t = torch.einsum("nhk,nhkv->nhv", a[:, t], state)
+        state = (
+            torch.exp(w[:, t])[..., None] * state
+            + b[:, t, :, :, None] * p_t[..., None, :]
+            + k[:, t, :, :, None] * v[:, t, :, None, :]
+        )
+        outputs.append(torch.einsum("nhk,nhkv->nhv", r[:, t] * scale, state))
+    return torch.stack(outputs, dim=1), state
+
+
+def naive_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                gate_lower_bound=None):
+    """Step-by-step RWKV7 in the dtype of r (float64 for the test oracle), gradients by autograd.
+
+    r, w, k, a, b: [B,T,H,K]; v: [B,T,H,V]; initial_state: [N,H,K,V] or None (zeros), with N = B,
+    or N = len(cu_seqlens) - 1 when cu_seqlens packs N sequences into B == 1.
+    gate_lower_bound is accepted for signature parity and unused (the recurrence needs no bound).
+    Returns (o [B,T,H,V], final state [N,H,K,V] or None), both in the dtype of r.
+    """
+    B, T, H, K = r.shape
+    dtype = r.dtype
+    w, k, v, a, b = (x.to(dtype) for x in (w, k, v, a, b))
+    if cu_seqlens is None:
+        bounds, packed, N = [(0, T)], False, B
+    else:
+        offsets = cu_seqlens.tolist()
+        bounds, packed = list(zip(offsets[:-1], offsets[1:])), True
+        N = len(bounds)
+    if initial_state is None:
+        initial_state = r.new_zeros(N, H, K, v.shape[-1])
+    initial_state = initial_state.to(dtype)
+
+    if not packed:
+        o, final = _rwkv7_steps(r, w, k, v, a, b, scale, initial_state)
+    else:
+        outs, finals = [], []
+        for n, (bos, eos) in enumerate(bounds):
+            seq = slice(bos, eos)
+            o_n, h_n = _rwkv7_steps(r[:, seq], w[:, seq], k[:, seq], v[:, seq], a[:, seq], b[:, seq], scale,
+                                    initial_state[n:n + 1])
+            outs.append(o_n)
+            finals.append(h_n)
+        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    return o, (final if output_final_state else None)

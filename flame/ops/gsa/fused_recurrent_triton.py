@@ -198,7 +198,8 @@ def _bwd_values(s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T, TOTAL,
     if HAS_DHT:
         b_dh += tl.load(dhvT + i_nh * M * V + o_m[:, None] * V + o_v[None, :], mask=m_mv, other=0.).to(tl.float32)
     part = dsv_part + i_v.to(tl.int64) * TOTAL * H * M
-    for t in range(eos - 1, bos - 1, -1):
+    for i_t in range(0, eos - bos):
+        t = eos - 1 - i_t
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
             b_p = tl.load(p + (t * H * NG + i_hq) * M + o_m, mask=m_m, other=0.)
@@ -236,7 +237,8 @@ def _bwd_slots(q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0,
     if HAS_DHT:
         b_dh += tl.load(dhkT + i_nh * K * M + o_k[:, None] * M + o_m[None, :], mask=m_km, other=0.).to(tl.float32)
         b_acc += tl.load(dg_last + i_nh * M + o_m, mask=m_m, other=0.)
-    for t in range(eos - 1, bos - 1, -1):
+    for i_t in range(0, eos - bos):
+        t = eos - 1 - i_t
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
             b_q = tl.load(q + (t * H * NG + i_hq) * K + o_k, mask=m_k, other=0.).to(tl.float32) * scale

@@ -256,6 +256,11 @@ def cross_field_problems(cfg: JobConfig) -> list[str]:
             f"data.data_files must name at least one file when data.dataset is "
             f"'{cfg.data.dataset}' (a local dataset type)"
         )
+    if cfg.metrics.val_freq > 0 and cfg.data.val_fraction == 0:
+        problems.append(
+            f"metrics.val_freq ({cfg.metrics.val_freq}) asks for validation, but "
+            f"data.val_fraction = 0 disables the validation split; set one of them"
+        )
     if cfg.training.nan_recovery and not cfg.checkpoint.enable:
         problems.append(
             "training.nan_recovery needs checkpoint.enable = true "
@@ -270,56 +275,52 @@ def cross_field_problems(cfg: JobConfig) -> list[str]:
 
 def config_from_dict(data: dict, origin: dict[str, str] | None = None) -> JobConfig:
     """A validated JobConfig from {section: {key: value}} (as tomllib returns it); absent keys
-    take their defaults. `origin` maps "section.key" to where the value came from, for messages.
-    Raises ConfigError listing every problem."""
+    take their defaults. `origin` maps "section" and "section.key" to where they came from
+    ("in FILE", "from --OPTION"), for messages. Raises ConfigError listing every problem found."""
     origin = origin or {}
-    problems: list[str] = []
     known = schema()
-    sections = {}
+    problems: list[str] = []
+    sections: dict[str, dict[str, Any]] = {}
     for name, table in data.items():
         if name not in known:
             owners = [s for s, keys in known.items() if name in keys]
             if owners and not isinstance(table, dict):
-                problems.append(
-                    f"top-level key '{name}' must be inside a section: write it under [{owners[0]}]"
-                )
+                under = " or ".join(f"[{s}]" for s in owners)
+                problem = f"top-level key '{name}' must be inside a section: put it under {under}"
             else:
-                problems.append(_unknown_section(name))
+                problem = _unknown_section(name)
+            problems.append(_with_origin(problem, origin.get(name)))
             continue
         if not isinstance(table, dict):
-            problems.append(f"'{name}' must be a section ([{name}]), got {_describe(table)}")
+            problem = f"'{name}' must be a section ([{name}]), got {_describe(table)}"
+            problems.append(_with_origin(problem, origin.get(name)))
             continue
-        values = {}
+        sections[name] = {}
         for key_name, value in table.items():
+            where = origin.get(f"{name}.{key_name}")
             if key_name not in known[name]:
-                problems.append(_unknown_key(name, key_name))
+                problems.append(_with_origin(_unknown_key(name, key_name), where))
                 continue
             key = known[name][key_name]
             try:
-                values[key_name] = check_type(key, value)
+                sections[name][key_name] = check_type(key, value)
             except ConfigError as e:
-                problems.append(_with_origin(str(e), origin.get(key.path)))
+                problems.append(_with_origin(str(e), where))
                 continue
-            for problem in check_constraints(key, values[key_name]):
-                problems.append(_with_origin(problem, origin.get(key.path)))
-        sections[name] = values
+            for problem in check_constraints(key, sections[name][key_name]):
+                problems.append(_with_origin(problem, where))
     if problems:
         raise ConfigError(_join(problems))
-    # Defaults that break a constraint are a schema bug: check them too, so it surfaces early.
-    for name, keys in known.items():
-        for key in keys.values():
-            if key.name not in sections.get(name, {}):
-                problems.extend(f"{p} (the default)" for p in check_constraints(key, key.default))
     section_classes = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
     cfg = JobConfig(**{name: section_classes[name](**sections.get(name, {})) for name in known})
-    problems.extend(cross_field_problems(cfg))
+    problems = cross_field_problems(cfg)
     if problems:
         raise ConfigError(_join(problems))
     return cfg
 
 
 def _with_origin(message: str, origin: str | None) -> str:
-    return f"{message} (from {origin})" if origin else message
+    return f"{message} ({origin})" if origin else message
 
 
 def _join(problems: list[str]) -> str:
@@ -425,7 +426,7 @@ def apply_overrides(data: dict, overrides: dict[str, str]) -> dict[str, str]:
         if not isinstance(table, dict):
             continue  # config_from_dict reports the malformed section
         table[name] = parse_cli_value(known[section][name], text)
-        origin[path] = f"--{path}"
+        origin[path] = f"from --{path}"
     if problems:
         raise ConfigError(_join(problems))
     return origin
@@ -452,7 +453,10 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
                 f"pass --config FILE"
             )
     data = read_toml(path)
-    origin = {f"{s}.{k}": str(path) for s, t in data.items() if isinstance(t, dict) for k in t}
+    origin = {section: f"in {path}" for section in data}
+    for section, table in data.items():
+        if isinstance(table, dict):
+            origin.update({f"{section}.{key}": f"in {path}" for key in table})
     origin.update(apply_overrides(data, cl.overrides))
     cfg = config_from_dict(data, origin)
     if cl.print_config:
@@ -518,7 +522,8 @@ def _toml_string(text: str) -> str:
 def help_text() -> str:
     """Every section and key with its type, default, constraints and docstring."""
     lines = [
-        "usage: --config FILE [--print-config] [--section.key VALUE | --section.key=VALUE ...]",
+        "usage: python -m flame.train [--config FILE] [--print-config] [-h]",
+        "                             [--section.key VALUE | --section.key=VALUE ...]",
         "",
         "  --config FILE     the job's TOML file (default: configs/tiny.toml of the repository)",
         "  --print-config    print the resolved config as TOML and exit",

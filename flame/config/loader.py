@@ -21,6 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import flame
 from flame.config import job as job_schema
 from flame.config.job import JobConfig
 
@@ -28,6 +29,7 @@ HELP_FLAGS = ("-h", "--help")
 PRINT_FLAG = "--print-config"
 CONFIG_FLAG = "--config"
 BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+SCALAR_TYPES = (bool, int, float, str)
 
 
 class ConfigError(ValueError):
@@ -62,6 +64,13 @@ def schema() -> dict[str, dict[str, Key]]:
     for section_field in dataclasses.fields(JobConfig):
         section_cls = section_field.default_factory
         hints = typing.get_type_hints(section_cls)
+        for name, tp in hints.items():
+            item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+            if item not in SCALAR_TYPES:
+                raise TypeError(
+                    f"{section_field.name}.{name}: field type {tp} is not supported by the config "
+                    f"loader (use bool, int, float, str or a list of one of them)"
+                )
         default_section = section_cls()
         sections[section_field.name] = {
             f.name: Key(
@@ -115,9 +124,15 @@ def _unknown_section(name: str) -> str:
 
 
 def _unknown_key(section: str, name: str) -> str:
+    """Suggests the closest key of the section, or else the same key in another section."""
     valid = list(schema()[section])
+    suggestion = _did_you_mean(name, valid)
+    if not suggestion:
+        elsewhere = [f"{s}.{name}" for s, keys in schema().items() if name in keys]
+        if elsewhere:
+            suggestion = f" (did you mean {' or '.join(map(repr, elsewhere))}?)"
     return (
-        f"unknown key '{section}.{name}'{_did_you_mean(name, valid)}; "
+        f"unknown key '{section}.{name}'{suggestion}; "
         f"valid keys of [{section}]: {', '.join(valid)}"
     )
 
@@ -152,14 +167,14 @@ def check_type(key: Key, value: Any, where: str = "") -> Any:
             return int(value)
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, int) and abs(value) > sys.float_info.max:
+                raise ConfigError(f"{label}: expected a finite float, got an int too large for one")
             if not math.isfinite(value):
                 raise ConfigError(f"{label}: expected a finite float, got {value!r}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):
             return value
-    else:
-        raise TypeError(f"{label}: unsupported field type {tp!r} in job.py")
     raise ConfigError(f"{label}: expected {type_name(tp)}, got {_describe(value)}")
 
 
@@ -347,8 +362,6 @@ def read_toml(path: Path) -> dict:
 
 
 def default_config_path() -> Path:
-    import flame
-
     return Path(flame.__file__).parents[1] / "configs" / "tiny.toml"
 
 

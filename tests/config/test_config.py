@@ -485,3 +485,35 @@ def test_config_imports_only_the_standard_library():
     )
     result = run_python("-c", code)
     assert result.returncode == 0, result.stderr
+
+
+def test_key_in_the_wrong_section_points_to_its_section(write):
+    message = error_of(write("[training]\nlr = 1e-3\n"))
+    assert "unknown key 'training.lr' (did you mean 'optimizer.lr'?)" in message
+    message = error_of(write(""), "--optimizer.seq_len=1")
+    assert "did you mean 'training.seq_len'?" in message
+
+
+def test_huge_int_for_a_float_field(write):
+    message = error_of(write("[optimizer]\nlr = 1" + "0" * 400 + "\n"))
+    assert "optimizer.lr: expected a finite float, got an int too large" in message
+
+
+def test_schema_rejects_field_types_the_loader_cannot_parse(monkeypatch):
+    @dataclasses.dataclass
+    class Odd:
+        limit: int | None = None
+        """A field type the loader does not support."""
+
+    @dataclasses.dataclass
+    class OddConfig:
+        odd: Odd = dataclasses.field(default_factory=Odd)
+
+    monkeypatch.setattr(loader, "JobConfig", OddConfig)
+    loader.schema.cache_clear()
+    try:
+        with pytest.raises(TypeError, match="odd.limit: field type"):
+            loader.schema()
+    finally:
+        monkeypatch.undo()
+        loader.schema.cache_clear()

@@ -1,0 +1,1 @@
+"""The flame trainer: `python -m flame.train --config FILE [--section.key value ...]`."""

@@ -1,0 +1,22 @@
+"""Entry point of `python -m flame.train` and the `flame-train` console script."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flame.config import ConfigError, load_config
+    from flame.train.trainer import Trainer
+
+    try:
+        cfg = load_config(sys.argv[1:] if argv is None else list(argv))
+    except ConfigError as err:
+        print(f"flame-train: config error: {err}", file=sys.stderr)
+        return 2
+    Trainer(cfg).train()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Learning-rate schedule: linear warmup, then cosine, linear or WSD decay down to lr_min.
+
+The schedule is a multiplier of each param group's own LR (so per-group multipliers such as the
+decay-bias 2x keep their ratio). `lr_min` is absolute for the base LR: the multiplier ends at
+lr_min / lr. The multiplier of step s (0-based count of optimizer updates done so far) is the LR
+used by update s+1.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+DECAY_TYPES = ("cosine", "linear", "wsd")
+
+
+def lr_multiplier(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_type: str,
+    decay_ratio: float,
+    min_ratio: float,
+) -> float:
+    """LR multiplier for the update after `step` completed updates."""
+    if decay_type not in DECAY_TYPES:
+        raise ValueError(f"lr_scheduler.decay_type must be one of {DECAY_TYPES}, got {decay_type!r}")
+    n = step + 1  # 1-based index of the update this LR is used for
+    warmup_steps = min(warmup_steps, total_steps)
+    if n <= warmup_steps:
+        return n / warmup_steps
+    if decay_type == "wsd":
+        decay_steps = max(1, round(total_steps * decay_ratio))
+        decay_start = max(warmup_steps, total_steps - decay_steps)
+        if n <= decay_start:
+            return 1.0
+        progress = (n - decay_start) / max(1, total_steps - decay_start)
+        shape = 1.0 - progress  # linear decay, as in the WSD paper
+    else:
+        progress = (n - warmup_steps) / max(1, total_steps - warmup_steps)
+        if decay_type == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        else:
+            shape = 1.0 - progress
+    shape = min(max(shape, 0.0), 1.0)
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def build_lr_scheduler(optimizer: Optimizer, cfg, total_steps: int, peak_lr: float) -> LambdaLR:
+    """A LambdaLR over `optimizer` from the `[lr_scheduler]` config section."""
+    min_ratio = cfg.lr_min / peak_lr if peak_lr > 0 else 0.0
+
+    def multiplier(step: int) -> float:
+        return lr_multiplier(
+            step,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_steps,
+            decay_type=cfg.decay_type,
+            decay_ratio=cfg.decay_ratio,
+            min_ratio=min_ratio,
+        )
+
+    return LambdaLR(optimizer, multiplier)

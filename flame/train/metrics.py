@@ -1,0 +1,121 @@
+"""Step metrics: a console progress line, `metrics.jsonl`, and optionally wandb / TensorBoard.
+
+Only rank 0 writes. wandb and tensorboard are imported lazily, when enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+logger = logging.getLogger("flame.train")
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def progress_line(record: dict) -> str:
+    """One human-readable line from a metrics record."""
+    parts = [
+        f"step {record['step']:>6d}",
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.3e}",
+        f"gnorm {record['grad_norm']:.3f}",
+        f"tok/s {record['tokens_per_s']:,.0f}",
+        f"tokens {record['tokens']:,d}",
+    ]
+    if "mfu" in record:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if "memory_gib" in record:
+        parts.append(f"mem {record['memory_gib']:.1f}GiB")
+    if record.get("nan_skips"):
+        parts.append(f"nan-skips {record['nan_skips']}")
+    parts.append(f"eta {format_duration(record.get('eta_s', float('nan')))}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes each logged step to the console, `<dump_folder>/metrics.jsonl` and the dashboards."""
+
+    def __init__(self, dump_folder: str, cfg, *, enabled: bool, run_name: str, config_dict: dict,
+                 wandb_run_id: str | None = None):
+        self.enabled = enabled
+        self.path = Path(dump_folder) / "metrics.jsonl"
+        self.wandb_run = None
+        self.tensorboard = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a", encoding="utf-8")
+        if cfg.enable_wandb:
+            self.wandb_run = _start_wandb(cfg.wandb_project, run_name, dump_folder, config_dict,
+                                          wandb_run_id)
+        if cfg.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(Path(dump_folder) / "tensorboard"))
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def log(self, record: dict, *, console: bool = True) -> None:
+        if not self.enabled:
+            return
+        if console:
+            logger.info(progress_line(record))
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        numbers = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.wandb_run is not None:
+            self.wandb_run.log(numbers, step=step)
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _start_wandb(project: str, name: str, dump_folder: str, config_dict: dict, run_id: str | None):
+    """Start (or resume, with `run_id`) a wandb run; offline when there is no API key."""
+    import wandb
+
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or _wandb_logged_in()
+    if not has_key and os.environ.get("WANDB_MODE") is None:
+        os.environ["WANDB_MODE"] = "offline"
+        logger.info(
+            "wandb: no API key found, logging offline to %s/wandb; "
+            "sync later with `wandb sync %s/wandb/offline-run-*`", dump_folder, dump_folder,
+        )
+    kwargs = dict(project=project, name=name, dir=dump_folder, config=config_dict)
+    if run_id:
+        kwargs.update(id=run_id, resume="allow")
+    try:
+        return wandb.init(**kwargs)
+    except Exception as err:  # network failure at init: fall back to offline, keep training
+        logger.warning("wandb online init failed (%s); logging offline instead", err)
+        os.environ["WANDB_MODE"] = "offline"
+        return wandb.init(**kwargs)
+
+
+def _wandb_logged_in() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")

@@ -1,0 +1,59 @@
+import math
+
+import pytest
+import torch
+
+from flame.config import LRScheduler
+from flame.train.lr_schedule import build_lr_scheduler, lr_multiplier
+
+
+def multipliers(total, **kw):
+    args = dict(warmup_steps=2, total_steps=total, decay_type="cosine", decay_ratio=0.1,
+                min_ratio=0.0)
+    args.update(kw)
+    return [lr_multiplier(s, **args) for s in range(total)]
+
+
+def test_warmup_is_linear_and_reaches_peak():
+    m = multipliers(10, warmup_steps=4)
+    assert m[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+
+
+def test_cosine_values_and_final_lr_min():
+    m = multipliers(6, warmup_steps=2, min_ratio=0.1)
+    # updates 3..6 decay over 4 steps: progress 1/4, 2/4, 3/4, 1
+    expected = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)) for p in (0.25, 0.5, 0.75, 1.0)]
+    assert m[2:] == pytest.approx(expected)
+    assert m[-1] == pytest.approx(0.1)
+
+
+def test_linear_values():
+    m = multipliers(6, warmup_steps=2, decay_type="linear")
+    assert m[2:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+def test_wsd_is_stable_then_decays_over_the_last_ratio():
+    m = multipliers(20, warmup_steps=2, decay_type="wsd", decay_ratio=0.2, min_ratio=0.0)
+    assert m[1:16] == pytest.approx([1.0] * 15)  # stable until update 16
+    assert m[16:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+def test_unknown_decay_type_is_named():
+    with pytest.raises(ValueError, match="decay_type"):
+        lr_multiplier(0, warmup_steps=1, total_steps=2, decay_type="exp", decay_ratio=0.1,
+                      min_ratio=0.0)
+
+
+def test_scheduler_keeps_group_multipliers_and_lr_min_is_absolute():
+    p1, p2 = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([{"params": [p1], "lr": 1e-3}, {"params": [p2], "lr": 2e-3}], lr=1e-3)
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=1, decay_type="linear", lr_min=1e-4),
+                               total_steps=3, peak_lr=1e-3)
+    lrs = []
+    for _ in range(3):
+        lrs.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx([1e-3, 2e-3])
+    assert lrs[1] == pytest.approx([5.5e-4, 1.1e-3])
+    assert lrs[2] == pytest.approx([1e-4, 2e-4])

@@ -397,6 +397,14 @@ def parse_command_line(argv: list[str]) -> CommandLine:
                 f"--help and overrides like --training.steps 100"
             )
         name, has_value, value = arg[2:].partition("=")
+        if f"--{name}" in (PRINT_FLAG, *HELP_FLAGS):
+            raise ConfigError(f"--{name} takes no value, got {arg!r}")
+        if name != CONFIG_FLAG[2:] and "." not in name:
+            options = ["config", "print-config", "help"]
+            raise ConfigError(
+                f"unknown option '{arg}'{_did_you_mean(name, options)}; overrides look like "
+                f"--section.key VALUE (e.g. --training.steps 100)"
+            )
         if not has_value:
             if i >= len(argv) or argv[i].startswith("--"):
                 raise ConfigError(f"--{name} needs a value (e.g. --{name} VALUE or --{name}=VALUE)")
@@ -407,12 +415,6 @@ def parse_command_line(argv: list[str]) -> CommandLine:
                 raise ConfigError(f"--config given twice: {str(cl.config)!r} and {value!r}")
             cl.config = Path(value)
             continue
-        if "." not in name:
-            options = ["config", "print-config", "help"]
-            raise ConfigError(
-                f"unknown option '--{name}'{_did_you_mean(name, options)}; overrides look like "
-                f"--section.key VALUE (e.g. --training.steps 100)"
-            )
         if name in cl.overrides:
             raise ConfigError(
                 f"--{name} given twice on the command line ({cl.overrides[name]!r} and {value!r}); "

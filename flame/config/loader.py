@@ -424,27 +424,20 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     return cl
 
 
-def apply_overrides(data: dict, overrides: dict[str, str]) -> dict[str, str]:
-    """Write the parsed overrides into the TOML data (in place); returns their origins."""
+def apply_overrides(data: dict, overrides: dict[str, str], origin: dict[str, str]) -> None:
+    """Write the overrides into the TOML data, parsed by their key's type, and where each came
+    from into `origin` (both in place). Unknown names are written as given, for
+    `config_from_dict` to report together with every other problem."""
     known = schema()
-    origin = {}
-    problems = []
     for path, text in overrides.items():
         section, _, name = path.partition(".")
-        if section not in known:
-            problems.append(f"--{path}: {_unknown_section(section)}")
-            continue
-        if name not in known[section]:
-            problems.append(f"--{path}: {_unknown_key(section, name)}")
-            continue
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
-            continue  # config_from_dict reports the malformed section
-        table[name] = parse_cli_value(known[section][name], text)
+            continue  # config_from_dict reports the section that is not a table
+        key = known.get(section, {}).get(name)
+        table[name] = text if key is None else parse_cli_value(key, text)
         origin[path] = f"from --{path}"
-    if problems:
-        raise ConfigError(_join(problems))
-    return origin
+        origin.setdefault(section, f"from --{path}")
 
 
 def load_config(argv: list[str] | None = None) -> JobConfig:
@@ -472,7 +465,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     for section, table in data.items():
         if isinstance(table, dict):
             origin.update({f"{section}.{key}": f"in {path}" for key in table})
-    origin.update(apply_overrides(data, cl.overrides))
+    apply_overrides(data, cl.overrides, origin)
     cfg = config_from_dict(data, origin)
     if cl.print_config:
         print(to_toml(cfg), end="")

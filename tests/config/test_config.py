@@ -524,3 +524,12 @@ def test_schema_rejects_field_types_the_loader_cannot_parse(monkeypatch):
     finally:
         monkeypatch.undo()
         loader.schema.cache_clear()
+
+
+def test_unknown_overrides_are_reported_with_the_other_problems(write):
+    message = error_of(write(""), "--training.lr=3", "--model.backend=x", "--trainin.steps=4")
+    assert message.startswith("3 problems in the config:")
+    assert "unknown key 'training.lr' (did you mean 'optimizer.lr'?)" in message
+    assert "(from --training.lr)" in message
+    assert "model.backend must be one of auto, triton, torch, got 'x' (from --model.backend)" in message
+    assert "unknown section 'trainin' (did you mean 'training'?)" in message

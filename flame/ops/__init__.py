@@ -1,7 +1,13 @@
 """flame.ops: the linear-attention ops of RWKV6, RWKV7 and GSA (see docs/architecture.md)."""
 
-from .gsa import naive_gsa
-from .rwkv6 import naive_rwkv6
-from .rwkv7 import naive_rwkv7
+from .checks import set_value_checks
+from .gsa import chunk_gsa, fused_recurrent_gsa, naive_gsa
+from .rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6, naive_rwkv6
+from .rwkv7 import chunk_rwkv7, fused_recurrent_rwkv7, naive_rwkv7
 
-__all__ = ["naive_gsa", "naive_rwkv6", "naive_rwkv7"]
+__all__ = [
+    "chunk_gsa", "chunk_rwkv6", "chunk_rwkv7",
+    "fused_recurrent_gsa", "fused_recurrent_rwkv6", "fused_recurrent_rwkv7",
+    "naive_gsa", "naive_rwkv6", "naive_rwkv7",
+    "set_value_checks",
+]

@@ -25,6 +25,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+__all__ = [
+    "DECAY_MODES", "RWKV7_LOG_DECAY_BOUND", "grad_leaves", "loss_of", "make_cu_seqlens", "make_gsa_inputs",
+    "make_rwkv6_inputs", "make_rwkv7_inputs", "random_lengths", "random_like", "rwkv7_a_b", "split_sequences",
+    "to_reference", "varlen_state",
+]
+
 RWKV7_LOG_DECAY_BOUND = -0.6065306597126334  # -exp(-0.5): the RWKV7 layer's log-decay lies in (bound, 0]
 
 DECAY_MODES = ("normal", "weak", "strong", "extreme", "wide", "zero", "half_zero")

@@ -29,6 +29,8 @@ def _gsa_steps(q, k, v, s, g, scale, hk, hv):
         p_t = torch.softmax(torch.einsum("nhgk,nhkm->nhgm", q_t, hk), dim=-1)
         hv = alpha[..., None] * hv + s[:, t, :, :, None] * v[:, t, :, None, :]
         outputs.append(torch.einsum("nhgm,nhmv->nhgv", p_t, hv).reshape(N, HQ, -1))
+    if not outputs:  # an empty sequence
+        return q.new_zeros(N, 0, HQ, v.shape[-1]), hk, hv
     return torch.stack(outputs, dim=1), hk, hv
 
 

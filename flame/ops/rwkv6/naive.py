@@ -22,6 +22,8 @@ def _rwkv6_steps(r, k, v, w, u, scale, state):
         bonus = (r_t * u * k_t).sum(-1, keepdim=True) * v_t
         outputs.append(from_state + bonus)
         state = torch.exp(w[:, t])[..., None] * state + k_t[..., None] * v_t[..., None, :]
+    if not outputs:  # an empty sequence
+        return v.new_zeros(v.shape), state
     return torch.stack(outputs, dim=1), state
 
 

@@ -25,6 +25,8 @@ def _rwkv7_steps(r, w, k, v, a, b, scale, state):
             + k[:, t, :, :, None] * v[:, t, :, None, :]
         )
         outputs.append(torch.einsum("nhk,nhkv->nhv", r[:, t] * scale, state))
+    if not outputs:  # an empty sequence
+        return v.new_zeros(v.shape), state
     return torch.stack(outputs, dim=1), state
 
 

@@ -1,0 +1,114 @@
+"""Chunk layout and stable decayed intra-chunk products, shared by the PyTorch chunked backends.
+
+Every exp() argument here is <= 0 (kernels.md 0.4): inside a chunk of C positions cut into
+sub-chunks of S, pairs in the same sub-chunk get their exact exponent, and pairs across sub-chunks
+use the reference-point factorisation of kernels.md 1.3, with the reference at the last position
+before the query sub-chunk, so that both factors are <= 1 for any decay. Masked pairs get an
+exponent of -inf by a select before exp(), so neither values nor gradients can turn into NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SUB_CHUNK = 16
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """States, cumulative sums and chunk math run in fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, D] -> [B, H, NC, C, D] in dtype, zero-padding T up to a multiple of C."""
+    B, T, H, D = x.shape
+    pad = -T % chunk_size
+    x = F.pad(x.to(dtype), (0, 0, 0, 0, 0, pad))
+    return x.reshape(B, (T + pad) // chunk_size, chunk_size, H, D).permute(0, 3, 1, 2, 4)
+
+
+def from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, H, NC, C, D] -> [B, T, H, D], dropping the padding."""
+    B, H, NC, C, D = x.shape
+    return x.permute(0, 2, 3, 1, 4).reshape(B, NC * C, H, D)[:, :T]
+
+
+def _split(x: torch.Tensor, sub: int) -> torch.Tensor:
+    """[..., C, D] -> [..., C/sub, sub, D]."""
+    return x.reshape(*x.shape[:-2], x.shape[-2] // sub, sub, x.shape[-1])
+
+
+def _references(g: torch.Tensor, sub: int) -> torch.Tensor:
+    """Per sub-chunk i, the cumsum at the last position before it ([..., NS, D]); 0 for i = 0."""
+    return torch.cat([torch.zeros_like(g[..., :1, :]), g[..., sub - 1: -1: sub, :]], dim=-2)
+
+
+def _masks(C: int, sub: int, inclusive: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(within-sub-chunk causal mask [S, S], earlier-sub-chunk mask [NS, C])."""
+    pos = torch.arange(sub, device=device)
+    within = pos[None, :] <= pos[:, None] if inclusive else pos[None, :] < pos[:, None]
+    starts = torch.arange(0, C, sub, device=device)
+    earlier = torch.arange(C, device=device)[None, :] < starts[:, None]
+    return within, earlier
+
+
+def decayed_scores(x: torch.Tensor, y: torch.Tensor, gx: torch.Tensor, g: torch.Tensor, inclusive: bool,
+                   sub: int = SUB_CHUNK) -> torch.Tensor:
+    """M[t, j] = sum_i x[t,i] y[j,i] exp(gx[t,i] - g[j,i]) for j <= t (inclusive) or j < t, else 0.
+
+    x, y, gx, g: [..., C, K] (leading dims broadcast); g is the inclusive chunk-local cumsum of the log-decay and gx is g
+    (inclusive queries) or the exclusive cumsum (exclusive queries). Returns [..., C, C].
+    """
+    C = x.shape[-2]
+    sub = min(sub, C)
+    if C % sub:
+        raise ValueError(f"chunk size {C} must be a multiple of the sub-chunk size {sub}")
+    NS = C // sub
+    within, earlier = _masks(C, sub, inclusive, x.device)
+    xs, ys, gxs, gs = (_split(t, sub) for t in (x, y, gx, g))
+
+    # pairs inside one sub-chunk: the exact exponent, masked before exp()
+    expo = gxs[..., :, None, :] - gs[..., None, :, :]                        # [..., NS, S, S, K]
+    expo = torch.where(within[:, :, None], expo, float("-inf"))
+    diag = (xs[..., :, None, :] * ys[..., None, :, :] * torch.exp(expo)).sum(-1)  # [..., NS, S, S]
+
+    # pairs across sub-chunks: reference = cumsum just before the query sub-chunk
+    ref = _references(g, sub)                                                 # [..., NS, K]
+    xq = xs * torch.exp(gxs - ref[..., :, None, :])                           # [..., NS, S, K]
+    expo_k = torch.where(earlier[:, :, None], ref[..., :, None, :] - g[..., None, :, :], float("-inf"))
+    yk = y[..., None, :, :] * torch.exp(expo_k)                               # [..., NS, C, K]
+    off = xq @ yk.transpose(-1, -2)                                           # [..., NS, S, C]
+    off = off.reshape(*off.shape[:-3], NS, sub, NS, sub)
+
+    same_block = torch.eye(NS, dtype=torch.bool, device=x.device)[:, None, :, None]
+    full = torch.where(same_block, diag[..., :, :, None, :], off)
+    return full.reshape(*full.shape[:-4], C, C)
+
+
+def decayed_mix(A: torch.Tensor, y: torch.Tensor, g: torch.Tensor, sub: int = SUB_CHUNK) -> torch.Tensor:
+    """out[t, m] = sum_{j <= t} A[t, j] y[j, m] exp(g[t, m] - g[j, m]): a value-side gated product.
+
+    A: [..., C, C], finite (entries above the diagonal are ignored); y, g: [..., C, M], g the inclusive
+    chunk-local cumsum. Returns [..., C, M]. This is GSA's key pass (kernels.md 3.2).
+    """
+    C = A.shape[-1]
+    sub = min(sub, C)
+    if C % sub:
+        raise ValueError(f"chunk size {C} must be a multiple of the sub-chunk size {sub}")
+    NS = C // sub
+    within, earlier = _masks(C, sub, True, A.device)
+    ys, gs = _split(y, sub), _split(g, sub)
+
+    blocks = A.reshape(*A.shape[:-2], NS, sub, NS, sub)
+    A_diag = torch.diagonal(blocks, dim1=-4, dim2=-2).movedim(-1, -3)         # [..., NS, S, S]
+    A_diag = torch.where(within, A_diag, 0.0)
+    expo = torch.where(within[:, :, None], gs[..., :, None, :] - gs[..., None, :, :], float("-inf"))
+    diag = (A_diag[..., None] * ys[..., None, :, :] * torch.exp(expo)).sum(-2)  # [..., NS, S, M]
+
+    ref = _references(g, sub)                                                 # [..., NS, M]
+    expo_k = torch.where(earlier[:, :, None], ref[..., :, None, :] - g[..., None, :, :], float("-inf"))
+    yk = y[..., None, :, :] * torch.exp(expo_k)                               # [..., NS, C, M]
+    rows = A.reshape(*A.shape[:-2], NS, sub, C)
+    off = (rows @ yk) * torch.exp(gs - ref[..., :, None, :])                  # [..., NS, S, M]
+    return (diag + off).reshape(*y.shape)

@@ -1,0 +1,68 @@
+"""RWKV6 in chunked form, in PyTorch (kernels.md 1.2); gradients by autograd.
+
+Per chunk with the inclusive / exclusive chunk-local cumsums G / Gx of the log-decay w:
+
+    o     = sc (r * exp(Gx)) S_in  +  A v  +  sc (r . (u * k)) v      A[t,j] = sc sum_i r k exp(Gx_t - G_j), j < t
+    S_out = exp(G_L) * S_in  +  (k * exp(G_L - G))^T v
+
+Intra-chunk products are vectorised over batch, heads and chunks; only the state pass loops over
+chunks. Math runs in fp32 (fp64 for fp64 inputs), o is returned in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..decay_chunks import compute_dtype, decayed_scores, from_chunks, to_chunks
+
+
+def _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size):
+    """One batch of equal-length sequences; state [B,H,K,V] in the compute dtype (never None)."""
+    dt = state.dtype
+    T = r.shape[1]
+    rc, kc, vc, wc = (to_chunks(x, chunk_size, dt) for x in (r, k, v, w))       # [B,H,NC,C,D]
+    rc = rc * scale
+    G = wc.cumsum(-2)
+    Gx = G - wc
+    G_last = G[..., -1:, :]                                                        # [B,H,NC,1,K]
+
+    A = decayed_scores(rc, kc, Gx, G, inclusive=False)                            # [B,H,NC,C,C]
+    bonus = (rc * u.to(dt)[None, :, None, None, :] * kc).sum(-1, keepdim=True)    # [B,H,NC,C,1]
+    o = A @ vc + bonus * vc
+
+    k_to_end = kc * torch.exp(G_last - G)
+    chunk_decay = torch.exp(G_last).transpose(-1, -2)                             # [B,H,NC,K,1]
+    states_in = []
+    for n in range(rc.shape[2]):
+        states_in.append(state)
+        state = chunk_decay[:, :, n] * state + k_to_end[:, :, n].transpose(-1, -2) @ vc[:, :, n]
+    if states_in:
+        o = o + (rc * torch.exp(Gx)) @ torch.stack(states_in, dim=2)
+    return from_chunks(o, T), state
+
+
+def chunk_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                      chunk_size=64):
+    """Chunked RWKV6 (same arguments as chunk_rwkv6, inputs already validated).
+
+    Returns (o in r's dtype, final state [N,H,K,V] in fp32 (fp64 for fp64 inputs) or None).
+    With cu_seqlens each sequence runs on its own, so chunks never cross a boundary.
+    """
+    dt = compute_dtype(r.dtype)
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        h0 = r.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+        o, final = _chunk_rwkv6(r, k, v, w, u, scale, h0, chunk_size)
+    else:
+        offsets = cu_seqlens.tolist()
+        N = len(offsets) - 1
+        h0 = r.new_zeros(N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+        outs, finals = [], []
+        for n in range(N):
+            seq = slice(offsets[n], offsets[n + 1])
+            o_n, h_n = _chunk_rwkv6(r[:, seq], k[:, seq], v[:, seq], w[:, seq], u, scale, h0[n:n + 1], chunk_size)
+            outs.append(o_n)
+            finals.append(h_n)
+        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    return o.to(r.dtype), (final if output_final_state else None)

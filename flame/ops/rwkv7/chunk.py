@@ -1,0 +1,38 @@
+"""chunk_rwkv7: the public chunked RWKV7 op (validation, backend choice, dispatch)."""
+
+from __future__ import annotations
+
+from ..backend import resolve_backend
+from ..checks import check_rwkv7_inputs
+from .chunk_torch import chunk_rwkv7_torch
+
+
+def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                backend="auto", gate_lower_bound=None):
+    """RWKV7 attention (the DPLR delta rule, kernels.md 2.1) in chunked form.
+
+    Args:
+        r, w, k, a, b: [B, T, H, K] token-major (not head-first [B, H, T, K]); w is the log-decay
+            (<= 0). In the RWKV7 layer a = -kappa_hat and b = kappa_hat * alpha.
+        v: [B, T, H, V] (K != V allowed). All six share a floating dtype (fp32, fp16, bf16, fp64).
+        scale: multiplies r (the RWKV7 layer uses 1.0).
+        initial_state: [N, H, K, V] or None; N = B, or len(cu_seqlens) - 1 in varlen mode.
+        output_final_state: return the final state.
+        cu_seqlens: 1-D int offsets [0, ..., T] of sequences packed into B == 1, or None.
+        backend: "auto" (Triton for CUDA tensors, PyTorch for CPU), "triton" or "torch".
+        gate_lower_bound: None, or a promise that w >= this negative bound everywhere (checked when
+            value checks are on); kernels may use it for faster stable paths.
+
+    Returns:
+        (o [B, T, H, V] in the input dtype, final state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None).
+
+    Raises ValueError / TypeError naming the argument for inconsistent shapes (a head-first tensor
+    is caught when its head count disagrees with the other inputs or the state; all-head-first
+    inputs without a state cannot be detected), dtypes, devices, bad cu_seqlens, a positive
+    log-decay or a violated gate_lower_bound (value checks, see flame.ops.checks).
+    """
+    check_rwkv7_inputs("chunk_rwkv7", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                       gate_lower_bound)
+    if resolve_backend(backend, r.device, "chunk_rwkv7") == "triton":
+        raise NotImplementedError("the Triton backend of chunk_rwkv7 is not built yet (issue #4)")
+    return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

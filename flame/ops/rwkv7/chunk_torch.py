@@ -1,0 +1,87 @@
+"""RWKV7 in chunked form, in PyTorch: the UT / WY transform of kernels.md 2.2; gradients by autograd.
+
+Per chunk with the inclusive / exclusive chunk-local cumsums G / Gx of the log-decay w, the
+pseudo-values P (p_t = a_t^T S_{t-1}) solve a unit lower-triangular system:
+
+    P     = (I - M_ab)^-1 (A_hat S_in + M_ak V)                 A_hat = a * exp(Gx)
+    O     = (sc r * exp(G)) S_in + M_qk V + M_qb P
+    S_out = exp(G_L) * S_in + (k * exp(G_L - G))^T V + (b * exp(G_L - G))^T P
+
+with M_qk, M_qb inclusive (j <= t) and M_ak, M_ab strict (j < t) decayed products. Everything
+except the state pass is vectorised over batch, heads and chunks. Math runs in fp32 (fp64 for fp64
+inputs), o is returned in the input dtype. gate_lower_bound is not needed: every exponent is <= 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..decay_chunks import compute_dtype, decayed_scores, from_chunks, to_chunks
+
+
+def _chunk_rwkv7(r, w, k, v, a, b, scale, state, chunk_size):
+    """One batch of equal-length sequences; state [B,H,K,V] in the compute dtype (never None)."""
+    dt = state.dtype
+    T = r.shape[1]
+    rc, wc, kc, vc, ac, bc = (to_chunks(x, chunk_size, dt) for x in (r, w, k, v, a, b))   # [B,H,NC,C,D]
+    rc = rc * scale
+    G = wc.cumsum(-2)
+    Gx = G - wc
+    G_last = G[..., -1:, :]
+
+    # the two inclusive and the two strict products share their query side: one call each
+    M_q = decayed_scores(rc[..., None, :, :], torch.stack([kc, bc], dim=-3), G[..., None, :, :],
+                         G[..., None, :, :], inclusive=True)
+    M_a = decayed_scores(ac[..., None, :, :], torch.stack([kc, bc], dim=-3), Gx[..., None, :, :],
+                         G[..., None, :, :], inclusive=False)
+    M_qk, M_qb = M_q.unbind(-3)
+    M_ak, M_ab = M_a.unbind(-3)
+
+    eye = torch.eye(rc.shape[-2], dtype=dt, device=rc.device)
+    lower = eye - M_ab                                                                     # unit lower triangular
+    W = torch.linalg.solve_triangular(lower, ac * torch.exp(Gx), upper=False, unitriangular=True)   # [.., C, K]
+    U = torch.linalg.solve_triangular(lower, M_ak @ vc, upper=False, unitriangular=True)            # [.., C, V]
+
+    to_end = torch.exp(G_last - G)
+    k_to_end, b_to_end = kc * to_end, bc * to_end
+    chunk_decay = torch.exp(G_last).transpose(-1, -2)                                      # [B,H,NC,K,1]
+    states_in, pseudo = [], []
+    for n in range(rc.shape[2]):
+        P = U[:, :, n] + W[:, :, n] @ state
+        states_in.append(state)
+        pseudo.append(P)
+        state = (chunk_decay[:, :, n] * state + k_to_end[:, :, n].transpose(-1, -2) @ vc[:, :, n]
+                 + b_to_end[:, :, n].transpose(-1, -2) @ P)
+    if not states_in:
+        return r.new_zeros(r.shape[:3] + v.shape[-1:], dtype=dt), state
+    S_in, P = torch.stack(states_in, dim=2), torch.stack(pseudo, dim=2)
+    o = (rc * torch.exp(G)) @ S_in + M_qk @ vc + M_qb @ P
+    return from_chunks(o, T), state
+
+
+def chunk_rwkv7_torch(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                      gate_lower_bound=None, chunk_size=64):
+    """Chunked RWKV7 (same arguments as chunk_rwkv7, inputs already validated).
+
+    Returns (o in r's dtype, final state [N,H,K,V] in fp32 (fp64 for fp64 inputs) or None).
+    With cu_seqlens each sequence runs on its own, so chunks never cross a boundary.
+    """
+    dt = compute_dtype(r.dtype)
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        h0 = r.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+        o, final = _chunk_rwkv7(r, w, k, v, a, b, scale, h0, chunk_size)
+    else:
+        offsets = cu_seqlens.tolist()
+        N = len(offsets) - 1
+        h0 = r.new_zeros(N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+        outs, finals = [], []
+        for n in range(N):
+            seq = slice(offsets[n], offsets[n + 1])
+            o_n, h_n = _chunk_rwkv7(r[:, seq], w[:, seq], k[:, seq], v[:, seq], a[:, seq], b[:, seq], scale,
+                                    h0[n:n + 1], chunk_size)
+            outs.append(o_n)
+            finals.append(h_n)
+        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    return o.to(r.dtype), (final if output_final_state else None)

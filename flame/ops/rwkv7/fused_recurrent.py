@@ -1,0 +1,27 @@
+"""fused_recurrent_rwkv7: the public step-by-step RWKV7 op; its PyTorch backend is the recurrence in fp32."""
+
+from __future__ import annotations
+
+from ..backend import resolve_backend
+from ..checks import check_rwkv7_inputs
+from ..decay_chunks import compute_dtype
+from .naive import naive_rwkv7
+
+
+def fused_recurrent_rwkv7_torch(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
+                                cu_seqlens=None, gate_lower_bound=None):
+    """The naive recurrence run on fp32 copies of the inputs (fp64 stays fp64); o back in r's dtype."""
+    dt = compute_dtype(r.dtype)
+    o, final = naive_rwkv7(*(x.to(dt) for x in (r, w, k, v, a, b)), scale,
+                           None if initial_state is None else initial_state.to(dt), output_final_state, cu_seqlens)
+    return o.to(r.dtype), final
+
+
+def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, backend="auto", gate_lower_bound=None):
+    """RWKV7 attention computed token by token; same arguments and results as `chunk_rwkv7`."""
+    check_rwkv7_inputs("fused_recurrent_rwkv7", r, w, k, v, a, b, scale, initial_state, output_final_state,
+                       cu_seqlens, gate_lower_bound)
+    if resolve_backend(backend, r.device, "fused_recurrent_rwkv7") == "triton":
+        raise NotImplementedError("the Triton backend of fused_recurrent_rwkv7 is not built yet (issue #4)")
+    return fused_recurrent_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

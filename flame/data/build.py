@@ -1,0 +1,42 @@
+"""build_dataloader: from data settings to a resumable iterable of batches."""
+
+from __future__ import annotations
+
+from flame.data.loader import DataLoader
+from flame.data.sources import DataError, load_documents
+from flame.data.tokens import build_stream, split_indices, tokenize_documents
+
+
+def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: str = "text",
+                     tokenizer, batch_size: int, seq_len: int, split: str = "train",
+                     seed: int = 0, dp_rank: int = 0, dp_world_size: int = 1,
+                     name: str = "", dataset_split: str = "train", streaming: bool = False,
+                     val_fraction: float = 0.01, sources=(), probs=(), varlen: bool = False,
+                     context_len: int = 0, num_workers: int = 0,
+                     allow_dp_resplit: bool = False) -> DataLoader:
+    """A DataLoader over one source (`dataset`, with `data_files`) or a mixture (`sources`,
+    sampled with `probs`).
+
+    split: "train" (infinite, reshuffled every epoch) or "validation" (one pass over the
+    held-out documents, `val_fraction` of each source). dataset_split is the HF split to read.
+    varlen: one row of batch_size * seq_len tokens per batch with `cu_seqlens` at document
+    starts, documents cut into pieces of at most context_len (0: seq_len) tokens.
+    num_workers > 1 tokenizes in that many worker processes.
+    """
+    specs = list(sources) or [dataset]
+    if streaming:
+        raise DataError("data.streaming is not supported by the training loader: it needs the "
+                        "whole split to shuffle and resume exactly; tokenize a large corpus once "
+                        "with `python -m flame.data.prepare` and train from the shards")
+    streams = []
+    for spec in specs:
+        ds, field, description = load_documents(spec, data_files=data_files, name=name,
+                                                split=dataset_split, text_field=text_field)
+        tokens, offsets = tokenize_documents(ds, field, tokenizer, num_workers)
+        docs = split_indices(len(offsets) - 1, val_fraction, split)
+        streams.append((build_stream(tokens, offsets, docs, tokenizer.eod_id),
+                        f"{description}/{split}"))
+    return DataLoader(streams, eod_id=tokenizer.eod_id, batch_size=batch_size, seq_len=seq_len,
+                      split=split, seed=seed, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                      probs=list(probs) or None, varlen=varlen, context_len=context_len,
+                      allow_dp_resplit=allow_dp_resplit)

@@ -1,0 +1,87 @@
+"""Loading the tokenizer: the embedded one, a tokenizer.json file, or a HF tokenizer directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
+EMBEDDED_TOKENIZER = EMBEDDED_DIR / "tokenizer.json"
+
+# End-of-document tokens recognised by name when a tokenizer directory does not name its EOS.
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with the end-of-document id and the full vocabulary size.
+
+    `encode` never adds the tokenizer's own special tokens (BOS/EOS post-processing); the data
+    pipeline appends `eod_id` after every document itself.
+    """
+
+    def __init__(self, backend, eod_id: int, source: str):
+        self.backend = backend
+        self.eod_id = int(eod_id)
+        self.source = source
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.fingerprint = hashlib.sha256(backend.to_str().encode()).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def check_vocab_size(self, model_vocab_size: int) -> None:
+        """Raise ValueError unless the model's vocabulary equals this tokenizer's."""
+        if int(model_vocab_size) != self.vocab_size:
+            raise ValueError(
+                f"model.vocab_size is {model_vocab_size} but the tokenizer {self.source} has "
+                f"{self.vocab_size} tokens (added tokens included); set model.vocab_size = "
+                f"{self.vocab_size}"
+            )
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id})"
+
+
+def load_tokenizer(path: str = "") -> Tokenizer:
+    """Load a tokenizer: "" is the embedded one; else a tokenizer.json or a directory holding one.
+
+    A directory's tokenizer_config.json names the end-of-document token (`eos_token`); otherwise
+    the first of EOD_CANDIDATES present in the vocabulary is used.
+    """
+    from tokenizers import Tokenizer as Backend
+
+    file = Path(path) if path else EMBEDDED_TOKENIZER
+    eos_name = None
+    if file.is_dir():
+        config = file / "tokenizer_config.json"
+        if config.is_file():
+            eos = json.loads(config.read_text()).get("eos_token")
+            eos_name = eos.get("content") if isinstance(eos, dict) else eos
+        file = file / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"tokenizer directory {path} has no tokenizer.json")
+    elif not file.is_file():
+        raise FileNotFoundError(
+            f"tokenizer file {file} does not exist (data.tokenizer takes a tokenizer.json path, a "
+            "HF tokenizer directory, or '' for the embedded tokenizer)"
+        )
+    try:
+        backend = Backend.from_file(str(file))
+    except Exception as err:
+        raise ValueError(f"{file} is not a valid tokenizers JSON file: {err}") from err
+
+    for name in ([eos_name] if eos_name else []) + list(EOD_CANDIDATES):
+        eod_id = backend.token_to_id(name)
+        if eod_id is not None:
+            return Tokenizer(backend, eod_id, str(file))
+    raise ValueError(
+        f"tokenizer {file} has no end-of-document token: looked for "
+        f"{', '.join(([eos_name] if eos_name else []) + list(EOD_CANDIDATES))}"
+    )

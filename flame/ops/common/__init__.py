@@ -1,0 +1,73 @@
+"""The gated-linear-attention (GLA) chunk core shared by RWKV6 and GSA: Triton kernels + launchers.
+
+The recurrence, per (sequence, head), with a log-gate g_t <= 0 on the key side (the K rows of S):
+
+    S_t = exp(g_t)[:, None] * S_{t-1} + k_t v_t^T                       S in R^{K x V}, fp32
+    o_t = S_t^T (scale q_t)                                              (inclusive: GLA, GSA pass 2)
+    o_t = S_{t-1}^T (scale q_t) + scale (q_t . (u * k_t)) v_t            (exclusive + bonus u: RWKV6)
+
+`exclusive` (does the query read the state before the current token?) and the bonus `u`
+([H, K] or None) are arguments, compiled as constexpr flags of one set of kernels.
+
+Using the core (all tensors token-major and contiguous: q, k, g [B, T, H, K], v [B, T, H, V]):
+
+    layout = chunk_layout(B, T, cu_seqlens, chunk_size=64, device=q.device)  # varlen: B == 1
+    DT     = dot_dtype(v.dtype)                   # tensor-core operand dtype (fp32 when interpreting)
+    BK, BV = block_sizes(K, V)
+    # forward
+    gc     = chunk_local_cumsum(g, layout)                                   # fp32, * log2(e)
+    h, ht  = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)   # S_in per chunk (fp32)
+    o      = chunk_output_fwd(q, k, v, gc, h, layout, scale, exclusive, u, DT, BK, BV)
+    # backward (recompute gc and h as above; dht may be None)
+    dh, dh0        = chunk_state_bwd(q, do, gc, layout, dht, scale, exclusive, need_dh0, DT)
+    dq, dk, dg, du = chunk_dqkg_bwd(q, k, v, g, gc, u, h, do, dh, layout, scale, exclusive, DT, BK, BV)
+    dv             = chunk_dv_bwd(q, k, v, gc, u, do, dh, layout, scale, exclusive, DT, BK, BV)
+
+h0/ht/dh0/dht are [N, H, K, V] fp32 (N = B, or the number of packed sequences). dg is the
+gradient of the raw log-gate g (natural units), by the reverse-cumsum identity. du is [H, K] fp32.
+o, dq, dk, dv, dg have the dtypes of v, q, k, v, g.
+
+Stability (kernels.md 0.4, 1.3): the cumsums are chunk-local fp32; every exponent is <= 0, with
+the intra-chunk matrix factored around a reference row that lies between the query and key rows
+(the row before the query sub-chunk; for the exclusive query this is the cumsum one position before
+the block); rows beyond a sequence end are selected out of every exponent (exp2(-inf) = 0). No
+atomics: partial sums are written and reduced in PyTorch, so gradients are bitwise reproducible.
+
+Not covered: a gate on the value side (columns of S, GSA pass 1); that pass needs its own
+intra-chunk product, A = q k^T followed by a per-column decayed A v.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .cumsum import chunk_local_cumsum
+from .grads import chunk_dqkg_bwd, chunk_dv_bwd
+from .layout import ChunkLayout, chunk_layout
+from .output import chunk_output_fwd
+from .state import chunk_state_bwd, chunk_state_fwd
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_dtype(dtype: torch.dtype):
+    """The operand dtype of tl.dot for inputs of `dtype`: the input dtype on the GPU, fp32 under the
+    Triton interpreter (where tl.dot on bf16 operands is wrong)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return tl.float32
+    if dtype not in _TL_DTYPES:
+        raise TypeError(f"the Triton GLA kernels take float32, float16 or bfloat16 inputs, got {dtype}")
+    return _TL_DTYPES[dtype]
+
+
+def block_sizes(K: int, V: int) -> tuple[int, int]:
+    """K- and V-block widths of the chunk kernels: powers of two, >= 16 (tl.dot), <= 64."""
+    return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
+
+
+__all__ = [
+    "ChunkLayout", "block_sizes", "chunk_dqkg_bwd", "chunk_dv_bwd", "chunk_layout", "chunk_local_cumsum",
+    "chunk_output_fwd", "chunk_state_bwd", "chunk_state_fwd", "dot_dtype",
+]

@@ -1,0 +1,94 @@
+"""Triton device helpers of the gated-linear-attention core: matrix products and the intra-chunk matrix.
+
+Conventions shared by every kernel of flame.ops.common (one (sequence, head, chunk) per program):
+- tensors are token-major [B, T, H, D], addressed by the global token index t (over the flattened
+  B*T axis): element (t, h, d) lives at (t * H + h) * D + d, computed in int64;
+- `gc` is the fp32 chunk-local cumsum of the log-gate times log2(e) (cumsum.py); the exclusive
+  sum of row τ is loaded as gc at row τ-1 (0 for the first row of a chunk);
+- every exponent passed to exp2 is <= 0, or selected to -inf where it would not be (masks by
+  select, never by multiplying).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mm(a, b, DT: tl.constexpr):
+    """a @ b with fp32 accumulation; operands cast to DT (the input dtype, or fp32 under the
+    interpreter and for fp32 inputs, where the product is computed in full fp32, no TF32)."""
+    if DT == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def load_rows(x, t0, rows, m_rows, i_h, cols, m_cols, H: tl.constexpr, D: tl.constexpr):
+    """Rows `rows` (chunk-local) of x [.., H, D] for head i_h, columns `cols`, as fp32 [len(rows), len(cols)]."""
+    off = ((t0 + rows)[:, None] * H + i_h) * D + cols[None, :]
+    return tl.load(x + off, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_query_gate(gc, t0, rows, m_rows, i_h, cols, m_cols, H: tl.constexpr, D: tl.constexpr,
+                    EXCLUSIVE: tl.constexpr):
+    """The query-side decay exponent: Γ̄ (row τ-1, 0 at the chunk start) if EXCLUSIVE, else Γ."""
+    if EXCLUSIVE:
+        return load_rows(gc, t0, rows - 1, m_rows & (rows >= 1), i_h, cols, m_cols, H, D)
+    else:
+        return load_rows(gc, t0, rows, m_rows, i_h, cols, m_cols, H, D)
+
+
+@triton.jit
+def load_row(x, t0, row, i_h, cols, m_cols, H: tl.constexpr, D: tl.constexpr):
+    """One row (chunk-local index `row`) of x for head i_h, as an fp32 vector."""
+    return tl.load(x + ((t0 + row) * H + i_h) * D + cols, mask=m_cols, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale,
+                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                       EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr, DT: tl.constexpr):
+    """A [BT, BT] fp32 with A[τ, j] = scale Σ_i q[τ,i] k[j,i] exp(Γq[τ,i] - Γ[j,i]) for j < τ
+    (j <= τ if not EXCLUSIVE), plus the bonus scale Σ_i q[τ,i] u[i] k[τ,i] on the diagonal if HAS_U.
+    Zero above the diagonal and in rows/columns >= Tc.
+
+    Off-diagonal sub-blocks (query sub-chunk s, keys before it) factor the decay around the
+    reference n = the row before sub-chunk s (clamped to the last valid row), so both factors
+    exp(Γq - Γ_n) and exp(Γ_n - Γ_j) are <= 1 for any decay (kernels.md 1.3, the fix of bug 1).
+    The BC x BC diagonal sub-blocks use the exact per-pair exponent.
+    """
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    m_t = rows < Tc
+    blk = rows // BC
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in tl.static_range(0, triton.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
+        kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
+        gk = load_rows(gc, t0, rows, m_t, i_h, ck, m_k, H, K)
+        gq = load_query_gate(gc, t0, rows, m_t, i_h, ck, m_k, H, K, EXCLUSIVE)
+        for s in tl.static_range(1, BT // BC):
+            ref = tl.minimum(s * BC - 1, Tc - 1)
+            gn = load_row(gc, t0, ref, i_h, ck, m_k, H, K)
+            qs = qq * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
+            ks = kk * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
+            A += mm(qs, tl.trans(ks), DT)
+        for c in range(0, BC):
+            j = blk * BC + c
+            if EXCLUSIVE:
+                m_j = (j < rows) & m_t
+            else:
+                m_j = (j <= rows) & m_t
+            kj = load_rows(k, t0, j, m_j, i_h, ck, m_k, H, K)
+            gj = load_rows(gc, t0, j, m_j, i_h, ck, m_k, H, K)
+            val = tl.sum(qq * kj * tl.exp2(tl.where(m_j[:, None], gq - gj, float("-inf"))), axis=1)
+            A = tl.where(cols[None, :] == j[:, None], A + val[:, None], A)
+        if HAS_U:
+            uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
+            bonus = tl.sum(qq * uu[None, :] * kk, axis=1)
+            A = tl.where(cols[None, :] == rows[:, None], A + bonus[:, None], A)
+    return A * scale

@@ -1,0 +1,53 @@
+"""How a batch of sequences is cut into chunks: the index tables every chunk kernel reads.
+
+Fixed-length input [B, T, ...] is treated as B sequences of T tokens; varlen input (B == 1 with
+`cu_seqlens`) as the sequences between consecutive offsets. Each sequence is cut into its own
+chunks of `chunk_size` tokens (the last one may be partial); chunks never cross a boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    cu_seqlens: torch.Tensor     # int64 [N+1]: token offsets of the sequences (in the flattened B*T axis)
+    chunk_indices: torch.Tensor  # int32 [num_chunks, 2]: (sequence, chunk within the sequence)
+    chunk_offsets: torch.Tensor  # int64 [N+1]: index of each sequence's first chunk
+    num_seqs: int
+    num_chunks: int
+    chunk_size: int
+
+
+def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device) -> ChunkLayout:
+    """The chunk tables of a [B, T] batch, or of the packed sequences of `cu_seqlens` (B == 1).
+
+    Fixed length needs no host sync; varlen reads the offsets once on the host.
+    """
+    if cu_seqlens is None:
+        nt = triton.cdiv(T, chunk_size)
+        cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
+        ids = torch.arange(B * nt, device=device, dtype=torch.int32)
+        chunk_indices = torch.stack([ids // nt, ids % nt], dim=1).contiguous()
+        offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * nt
+        return ChunkLayout(cu, chunk_indices, offsets, B, B * nt, chunk_size)
+    bounds = cu_seqlens.tolist()
+    lengths = [e - b for b, e in zip(bounds[:-1], bounds[1:])]
+    counts = [triton.cdiv(n, chunk_size) for n in lengths]
+    seq = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+    first = [0]
+    for c in counts:
+        first.append(first[-1] + c)
+    within = torch.arange(first[-1]) - torch.tensor(first[:-1], dtype=torch.int64).repeat_interleave(
+        torch.tensor(counts, dtype=torch.int64))
+    chunk_indices = torch.stack([seq, within], dim=1).to(device=device, dtype=torch.int32).contiguous()
+    return ChunkLayout(
+        cu_seqlens.to(device=device, dtype=torch.int64).contiguous(),
+        chunk_indices,
+        torch.tensor(first, device=device, dtype=torch.int64),
+        len(counts), first[-1], chunk_size,
+    )

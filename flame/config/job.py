@@ -100,6 +100,20 @@ class Data:
     """Fraction of documents held out for validation (0 disables the validation split)."""
     num_workers: int = field(default=0, metadata={"ge": 0})
     """Data-loader worker processes for online tokenization."""
+    sources: list[str] = field(default_factory=list)
+    """Sources to mix, each written like data.dataset ("embedded", a local glob such as
+    "data/*.jsonl", or a HF hub name, "name:config" for a configuration); empty reads
+    data.dataset alone."""
+    probs: list[float] = field(default_factory=list)
+    """Sampling probabilities of data.sources (normalized to sum 1); empty samples uniformly."""
+    context_len: int = field(default=0, metadata={"ge": 0})
+    """Varlen only: longest segment; longer documents are cut into pieces; 0 means training.seq_len."""
+    shard_dir: str = ""
+    """Read the pre-tokenized shards of this folder (`python -m flame.data.prepare`) instead of
+    raw text; its manifest must match the tokenizer."""
+    allow_dp_resplit: bool = False
+    """Resume on a different number of data-parallel ranks by re-splitting the data position
+    (each source continues at the same fraction of its epoch)."""
 
 
 @dataclass

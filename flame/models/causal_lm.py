@@ -1,0 +1,111 @@
+"""The causal language-model shell shared by every family: embeddings -> blocks -> norm -> head.
+
+A family subclasses `CausalLM`, builds its blocks and final norm, and says how its embeddings and
+head are initialised. Everything else (the forward, the input checks, weight tying, parameter
+and FLOP counts, meta-device friendly `init_weights`) lives here once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flame.models.init import default_init_skipped
+from flame.models.token_shift import check_cu_seqlens
+
+
+class CausalLM(nn.Module):
+    """`model(input_ids [B, T], cu_seqlens=None) -> logits [B, T, vocab]`.
+
+    Attributes used by the trainer: `embeddings`, `layers` (one block per layer, the unit of
+    sharding, checkpointing and compile), `norm`, `lm_head`.
+
+    Subclasses implement `_build_layers(args)`, `_build_norm(args)` and
+    `_init_embeddings_and_head()`; blocks implement `init_weights()` and
+    `state_flops_per_token()`. Blocks take `(x, cu_seqlens=...)`; a family whose blocks pass
+    extra state between layers overrides `_run_layers`.
+    """
+
+    def __init__(self, args):
+        super().__init__()
+        if args.vocab_size <= 0 or args.hidden_size <= 0 or args.num_layers <= 0:
+            raise ValueError(
+                f"vocab_size, hidden_size and num_layers must be > 0, got {args.vocab_size}, "
+                f"{args.hidden_size}, {args.num_layers}"
+            )
+        self.vocab_size = args.vocab_size
+        self.hidden_size = args.hidden_size
+        self.num_layers = args.num_layers
+        self.tie_word_embeddings = bool(args.tie_word_embeddings)
+        with default_init_skipped():
+            self.embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+            self.layers = nn.ModuleList(self._build_layers(args))
+            self.norm = self._build_norm(args)
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+        if not self.embeddings.weight.is_meta:
+            self.init_weights()
+
+    # -- to be provided by each family ----------------------------------------------------------
+
+    def _build_layers(self, args) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def _build_norm(self, args) -> nn.Module:
+        raise NotImplementedError
+
+    def _init_embeddings_and_head(self) -> None:
+        raise NotImplementedError
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter with the family's scheme. Deterministic given the RNG
+        state, and the same whether the model was built on CPU or on the meta device and
+        materialised with `to_empty()`."""
+        self._init_embeddings_and_head()
+        for layer in self.layers:
+            layer.init_weights()
+        self.norm.reset_parameters()
+
+    def _run_layers(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, cu_seqlens=cu_seqlens)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"input_ids must be an integer tensor [batch, seq_len], got {input_ids.dtype} "
+                f"of shape {tuple(input_ids.shape)}"
+            )
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1])
+        x = self.embeddings(input_ids)
+        x = self._run_layers(x, cu_seqlens)
+        return self.lm_head(self.norm(x))
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters; with exclude_embeddings, minus the input embedding
+        (a tied head goes with it)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embeddings.weight.numel()
+        return total
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward) for MFU:
+
+            6 * (non-embedding parameters, the head's matmul included even when tied)
+            + sum over layers of the block's state-update FLOPs (`state_flops_per_token`).
+
+        No softmax-attention term: the recurrent state makes the per-token cost independent of
+        seq_len, which is accepted for interface compatibility only."""
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be > 0, got {seq_len}")
+        matmul_params = self.num_params(exclude_embeddings=True)
+        if self.tie_word_embeddings:
+            matmul_params += self.lm_head.weight.numel()
+        return 6 * matmul_params + sum(layer.state_flops_per_token() for layer in self.layers)

@@ -1,0 +1,197 @@
+"""RWKV6 ("Finch"): data-dependent token shift, LoRA decay, bonus, receptance-gated channel mix
+(kernels.md 4.1, official x060).
+
+Layer equations (x: the normed block input, delta = token_shift(x) - x):
+    xi = tanh((x + delta * mu_x) @ mix_w1)             [5 * mix_rank]
+    m_w, m_k, m_v, m_r, m_g = xi_b @ mix_w2[b]         five branches, [C] each
+    x_* = x + delta * (mu_* + m_*)
+    r = W_r x_r,  k = W_k x_k,  v = W_v x_v,  g = silu(W_g x_g)
+    w = -exp(time_decay + tanh(x_w @ decay_w1) @ decay_w2)    log-decay < 0
+    o = chunk_rwkv6(r, k, v, w, u=bonus, scale=1)
+    out = W_o (GroupNorm_H(o) (eps 1e-5 * 8^2) * g)
+Channel mix: out = sigmoid(W_r (x + delta mu_r)) * W_v relu(W_k (x + delta mu_k))^2, width 3.5 C
+rounded down to a multiple of 32.
+Block: pre-LN, x += attn(ln1 x); x += ffn(ln2 x); layer 0 first applies ln0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flame.models import init
+from flame.models.causal_lm import CausalLM
+from flame.models.rwkv_common import init_rwkv_embeddings_and_head, matrix_param, rwkv_heads, vector_param
+from flame.models.token_shift import token_shift
+from flame import ops
+
+DECAY_LOW_RANK_DIM = 64
+"""The official RWKV6 decay-LoRA rank, used when decay_low_rank_dim is 0."""
+HEAD_SIZE_DIVISOR = 8
+"""Official x060: the output GroupNorm eps is 1e-5 * HEAD_SIZE_DIVISOR^2."""
+MIX_BRANCHES = 5  # w, k, v, r, g
+
+
+def rwkv6_ffn_width(hidden_size: int) -> int:
+    """Official x060 channel-mix width: 3.5 C rounded down to a multiple of 32."""
+    return int(hidden_size * 3.5) // 32 * 32
+
+
+class RWKV6Attention(nn.Module):
+    """RWKV6 time mix. `time_decay` is the decay bias (the trainer gives it
+    `decay_lr_multiplier`); LoRA matrices are free parameters (never weight-decayed)."""
+
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        self.layer_id, self.num_layers = layer_id, args.num_layers
+        self.num_heads, self.head_dim = rwkv_heads(args)
+        self.backend = args.backend
+        C = args.hidden_size
+        if args.mix_low_rank_dim <= 0:
+            raise ValueError(f"mix_low_rank_dim must be > 0 for rwkv6, got {args.mix_low_rank_dim}")
+        self.mix_rank = args.mix_low_rank_dim
+        decay_rank = args.decay_low_rank_dim or DECAY_LOW_RANK_DIM
+
+        self.mu_x, self.mu_w, self.mu_k = vector_param(C), vector_param(C), vector_param(C)
+        self.mu_v, self.mu_r, self.mu_g = vector_param(C), vector_param(C), vector_param(C)
+        self.mix_w1 = matrix_param(C, MIX_BRANCHES * self.mix_rank)
+        self.mix_w2 = nn.Parameter(torch.empty(MIX_BRANCHES, self.mix_rank, C))
+        self.time_decay = vector_param(C)
+        self.decay_w1, self.decay_w2 = matrix_param(C, decay_rank), matrix_param(decay_rank, C)
+        self.bonus = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
+        self.receptance = nn.Linear(C, C, bias=False)
+        self.key = nn.Linear(C, C, bias=False)
+        self.value = nn.Linear(C, C, bias=False)
+        self.gate = nn.Linear(C, C, bias=False)
+        self.output = nn.Linear(C, C, bias=False)
+        self.ln_x = nn.GroupNorm(self.num_heads, C, eps=1e-5 * HEAD_SIZE_DIVISOR**2)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Official x060 init (kernels.md 4.1 item 6), plus the official GroupNorm weight
+        ((l+1)/L)^0.7 of RWKV-LM's generate_init_weight."""
+        C = self.time_decay.numel()
+        r0, r1 = init.layer_ratios(self.layer_id, self.num_layers)
+        ramp = init.channel_ramps(C, self.head_dim)
+        ddd, n_ramp = ramp["ddd"], ramp["ramp"]
+        init.assign_(self.mu_x, 1 - ddd**r1)
+        init.assign_(self.mu_w, 1 - ddd**r1)
+        init.assign_(self.mu_k, 1 - ddd**r1)
+        init.assign_(self.mu_v, 1 - (ddd**r1 + 0.3 * r0))
+        init.assign_(self.mu_r, 1 - ddd ** (0.5 * r1))
+        init.assign_(self.mu_g, 1 - ddd ** (0.5 * r1))
+        init.zeros_(self.mix_w1)
+        init.uniform_(self.mix_w2, 0.01)
+        init.assign_(self.time_decay, -6 + 5 * n_ramp ** (0.7 + 1.3 * r0))
+        init.zeros_(self.decay_w1)
+        init.uniform_(self.decay_w2, 0.01)
+        n = torch.arange(C, dtype=torch.float32)
+        bonus = r0 * (1 - n_ramp) + 0.1 * ((n + 1) % 3 - 1)
+        init.assign_(self.bonus, bonus.view(self.num_heads, self.head_dim))
+        init.rwkv_orthogonal_(self.receptance.weight, 1.0)
+        init.rwkv_orthogonal_(self.key.weight, 0.1)
+        init.rwkv_orthogonal_(self.value.weight, 1.0)
+        init.rwkv_orthogonal_(self.gate.weight, 0.1)
+        init.zeros_(self.output.weight)
+        init.constant_(self.ln_x.weight, ((self.layer_id + 1) / self.num_layers) ** 0.7)
+        init.zeros_(self.ln_x.bias)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        H, N = self.num_heads, self.head_dim
+        delta = token_shift(x, cu_seqlens) - x
+        xi = torch.tanh(torch.addcmul(x, delta, self.mu_x) @ self.mix_w1)
+        xi = xi.view(B * T, MIX_BRANCHES, self.mix_rank).transpose(0, 1)
+        m_w, m_k, m_v, m_r, m_g = torch.bmm(xi, self.mix_w2).view(MIX_BRANCHES, B, T, C).unbind(0)
+        xw = torch.addcmul(x, delta, self.mu_w + m_w)
+        xk = torch.addcmul(x, delta, self.mu_k + m_k)
+        xv = torch.addcmul(x, delta, self.mu_v + m_v)
+        xr = torch.addcmul(x, delta, self.mu_r + m_r)
+        xg = torch.addcmul(x, delta, self.mu_g + m_g)
+
+        r = self.receptance(xr).view(B, T, H, N)
+        k = self.key(xk).view(B, T, H, N)
+        v = self.value(xv).view(B, T, H, N)
+        g = F.silu(self.gate(xg))
+        w = -torch.exp(self.time_decay + torch.tanh(xw @ self.decay_w1) @ self.decay_w2).view(B, T, H, N)
+        o, _ = ops.chunk_rwkv6(r, k, v, w, self.bonus, scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend)
+        o = self.ln_x(o.reshape(B * T, C)).view(B, T, C)
+        return self.output(o * g)
+
+    def state_flops_per_token(self) -> int:
+        """Per head and token, forward: decay K*V, k v^T 2KV, readout S^T r 2KV = 5 K V (the
+        bonus is O(K + V)); backward ~ 2x forward."""
+        return 3 * 5 * self.num_heads * self.head_dim * self.head_dim
+
+
+class RWKV6FeedForward(nn.Module):
+    """RWKV6 channel mix: sigmoid(W_r x_r) * W_v relu(W_k x_k)^2."""
+
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        self.layer_id, self.num_layers = layer_id, args.num_layers
+        C = args.hidden_size
+        width = args.ffn_hidden_size or rwkv6_ffn_width(C)
+        self.mu_k, self.mu_r = vector_param(C), vector_param(C)
+        self.key = nn.Linear(C, width, bias=False)
+        self.receptance = nn.Linear(C, C, bias=False)
+        self.value = nn.Linear(width, C, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Official x060 RWKV_CMix_x060: mu_k = mu_r = 1 - (n/C)^{r1}; receptance and value zero."""
+        _, r1 = init.layer_ratios(self.layer_id, self.num_layers)
+        ddd = init.channel_ramps(self.mu_k.numel(), 1)["ddd"]
+        init.assign_(self.mu_k, 1 - ddd**r1)
+        init.assign_(self.mu_r, 1 - ddd**r1)
+        init.rwkv_orthogonal_(self.key.weight, 1.0)
+        init.zeros_(self.receptance.weight)
+        init.zeros_(self.value.weight)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        delta = token_shift(x, cu_seqlens) - x
+        k = torch.relu(self.key(torch.addcmul(x, delta, self.mu_k))).square()
+        return torch.sigmoid(self.receptance(torch.addcmul(x, delta, self.mu_r))) * self.value(k)
+
+
+class RWKV6Block(nn.Module):
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        C, eps = args.hidden_size, args.norm_eps
+        if layer_id == 0:
+            self.pre_norm = nn.LayerNorm(C, eps=eps)
+        self.attn_norm = nn.LayerNorm(C, eps=eps)
+        self.attn = RWKV6Attention(args, layer_id)
+        self.ffn_norm = nn.LayerNorm(C, eps=eps)
+        self.ffn = RWKV6FeedForward(args, layer_id)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        if self.layer_id == 0:
+            self.pre_norm.reset_parameters()
+        self.attn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attn.init_weights()
+        self.ffn.init_weights()
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if self.layer_id == 0:
+            x = self.pre_norm(x)
+        x = x + self.attn(self.attn_norm(x), cu_seqlens)
+        return x + self.ffn(self.ffn_norm(x), cu_seqlens)
+
+    def state_flops_per_token(self) -> int:
+        return self.attn.state_flops_per_token()
+
+
+class RWKV6ForCausalLM(CausalLM):
+    def _build_layers(self, args) -> list[nn.Module]:
+        return [RWKV6Block(args, i) for i in range(args.num_layers)]
+
+    def _build_norm(self, args) -> nn.Module:
+        return nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+
+    def _init_embeddings_and_head(self) -> None:
+        init_rwkv_embeddings_and_head(self)

@@ -1,0 +1,209 @@
+"""RWKV7 ("Goose"): time mix with the DPLR delta rule, squared-ReLU channel mix (kernels.md 4.2).
+
+Layer equations (x: the normed block input, delta = token_shift(x) - x):
+    x_* = x + delta * mu_*                       * in r, w, k, v, a, g (static lerps)
+    r = W_r x_r,  k = W_k x_k,  v = W_v x_v
+    w = -e^{-1/2} sigmoid(w0 + tanh(x_w W1) W2)  log-decay in (-0.6065, 0]
+    v <- v + (v_first - v) sigmoid(v0 + x_v V1 V2)   value residual; layer 0 sets v_first = v
+    a = sigmoid(a0 + x_a A1 A2)                  in-context learning rate
+    g = sigmoid(x_g G1) G2                       output gate
+    kappa = L2normalize(k * k_k) per head;  k <- k * (1 + (a - 1) * k_a)
+    o = chunk_rwkv7(r, w, k, v, a=-kappa, b=kappa * a, scale=1)
+    o = GroupNorm_H(o) (eps head_dim * 1e-5) + (sum_head(r * k * r_k)) v
+    out = W_o (o * g)
+Channel mix: out = W_v relu(W_k (x + delta * mu_k))^2.
+Block: pre-LN, x += attn(ln1 x); x += ffn(ln2 x); layer 0 first applies ln0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flame.models import init
+from flame.models.causal_lm import CausalLM
+from flame.models.rwkv_common import init_rwkv_embeddings_and_head, matrix_param, rwkv_heads, vector_param
+from flame.models.token_shift import token_shift
+from flame import ops
+
+DECAY_BOUND = math.exp(-0.5)
+"""|log-decay| < e^{-1/2} = 0.6065306597126334: the official clamp of RWKV7's decay."""
+
+
+class RWKV7Attention(nn.Module):
+    """RWKV7 time mix. LoRA matrices are free parameters applied as x @ W (never weight-decayed);
+    `w0` is the decay bias (the trainer gives it `decay_lr_multiplier`)."""
+
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        self.layer_id, self.num_layers = layer_id, args.num_layers
+        self.num_heads, self.head_dim = rwkv_heads(args)
+        self.backend = args.backend
+        C = args.hidden_size
+        ranks = init.rwkv7_lora_ranks(C)
+        rank_w = args.decay_low_rank_dim or ranks["decay"]
+        rank_a = args.a_low_rank_dim or ranks["a"]
+        rank_v = args.v_low_rank_dim or ranks["v"]
+        rank_g = args.gate_low_rank_dim or ranks["gate"]
+
+        self.mu_r, self.mu_w, self.mu_k = vector_param(C), vector_param(C), vector_param(C)
+        self.mu_v, self.mu_a, self.mu_g = vector_param(C), vector_param(C), vector_param(C)
+        self.receptance = nn.Linear(C, C, bias=False)
+        self.key = nn.Linear(C, C, bias=False)
+        self.value = nn.Linear(C, C, bias=False)
+        self.output = nn.Linear(C, C, bias=False)
+        self.w0, self.w1, self.w2 = vector_param(C), matrix_param(C, rank_w), matrix_param(rank_w, C)
+        self.a0, self.a1, self.a2 = vector_param(C), matrix_param(C, rank_a), matrix_param(rank_a, C)
+        if layer_id > 0:  # layer 0 defines v_first and has no value residual
+            self.v0, self.v1, self.v2 = vector_param(C), matrix_param(C, rank_v), matrix_param(rank_v, C)
+        self.g1, self.g2 = matrix_param(C, rank_g), matrix_param(rank_g, C)
+        self.k_k, self.k_a = vector_param(C), vector_param(C)
+        self.r_k = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
+        self.ln_x = nn.GroupNorm(self.num_heads, C, eps=self.head_dim * 1e-5)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Official RWKV7 init (kernels.md 4.2 item 8), every output projection zero."""
+        C = self.w0.numel()
+        r0, r1 = init.layer_ratios(self.layer_id, self.num_layers)
+        ramp = init.channel_ramps(C, self.head_dim)
+        ddd, linear, zigzag = ramp["ddd"], ramp["linear"], ramp["zigzag"]
+        init.assign_(self.mu_r, 1 - ddd ** (0.2 * r1))
+        init.assign_(self.mu_w, 1 - ddd ** (0.9 * r1))
+        init.assign_(self.mu_k, 1 - ddd ** (0.7 * r1))
+        init.assign_(self.mu_v, 1 - ddd ** (0.7 * r1))
+        init.assign_(self.mu_a, 1 - ddd ** (0.9 * r1))
+        init.assign_(self.mu_g, 1 - ddd ** (0.2 * r1))
+        # 0.5 because the official decay was once -softplus(-z) - 0.5
+        init.assign_(self.w0, -6 + 6 * ramp["ramp"] ** (1 + r0**0.3) + 0.5 + 2.5 * zigzag)
+        init.assign_(self.a0, -0.19 + 0.3 * zigzag + 0.4 * linear)
+        init.assign_(self.k_k, 0.71 - 0.1 * linear)
+        init.constant_(self.k_a, 1.02)
+        init.constant_(self.r_k, -0.04)
+        lora_pairs = [(self.w1, self.w2), (self.a1, self.a2), (self.g1, self.g2)]
+        if self.layer_id > 0:
+            init.assign_(self.v0, 0.73 - 0.4 * linear)
+            lora_pairs.append((self.v1, self.v2))
+        for first, second in lora_pairs:
+            init.zeros_(first)
+            init.rwkv_orthogonal_(second, 0.1)
+        init.rwkv_orthogonal_(self.receptance.weight, 1.0)
+        init.rwkv_orthogonal_(self.key.weight, 0.1)
+        init.rwkv_orthogonal_(self.value.weight, 1.0)
+        init.zeros_(self.output.weight)
+        init.constant_(self.ln_x.weight, ((self.layer_id + 1) / self.num_layers) ** 0.7)
+        init.zeros_(self.ln_x.bias)
+
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None):
+        B, T, C = x.shape
+        H, N = self.num_heads, self.head_dim
+        delta = token_shift(x, cu_seqlens) - x
+        xr, xw, xk = torch.addcmul(x, delta, self.mu_r), torch.addcmul(x, delta, self.mu_w), torch.addcmul(x, delta, self.mu_k)
+        xv, xa, xg = torch.addcmul(x, delta, self.mu_v), torch.addcmul(x, delta, self.mu_a), torch.addcmul(x, delta, self.mu_g)
+
+        r = self.receptance(xr)
+        w = -DECAY_BOUND * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)
+        k = self.key(xk)
+        v = self.value(xv)
+        if self.layer_id == 0:
+            v_first = v
+        else:
+            if v_first is None:
+                raise ValueError(f"RWKV7 layer {self.layer_id} needs v_first from layer 0")
+            v = torch.lerp(v, v_first, torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2))
+        a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
+        g = torch.sigmoid(xg @ self.g1) @ self.g2
+
+        kappa = F.normalize((k * self.k_k).view(B, T, H, N), p=2.0, dim=-1)
+        k = k * (1 + (a - 1) * self.k_a)
+        r, w, k, v, a = (t.view(B, T, H, N) for t in (r, w, k, v, a))
+        o, _ = ops.chunk_rwkv7(
+            r, w, k, v, -kappa, kappa * a,
+            scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend, gate_lower_bound=-DECAY_BOUND,
+        )
+        o = self.ln_x(o.reshape(B * T, C)).view(B, T, H, N)
+        o = o + (r * k * self.r_k).sum(dim=-1, keepdim=True) * v
+        return self.output(o.reshape(B, T, C) * g), v_first
+
+    def state_flops_per_token(self) -> int:
+        """Per head and token, forward: decay K*V, p = a^T S 2KV, b p^T 2KV, k v^T 2KV,
+        readout S^T r 2KV = 9 K V; backward ~ 2x forward."""
+        return 3 * 9 * self.num_heads * self.head_dim * self.head_dim
+
+
+class RWKV7FeedForward(nn.Module):
+    """RWKV7 channel mix: W_v relu(W_k (x + delta * mu_k))^2, width 4x by default."""
+
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        self.layer_id, self.num_layers = layer_id, args.num_layers
+        C = args.hidden_size
+        width = args.ffn_hidden_size or 4 * C
+        self.mu_k = vector_param(C)
+        self.key = nn.Linear(C, width, bias=False)
+        self.value = nn.Linear(width, C, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        _, r1 = init.layer_ratios(self.layer_id, self.num_layers)
+        ddd = init.channel_ramps(self.mu_k.numel(), 1)["ddd"]
+        init.assign_(self.mu_k, 1 - ddd ** (r1**4))
+        init.rwkv_orthogonal_(self.key.weight, 1.0)
+        init.zeros_(self.value.weight)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        delta = token_shift(x, cu_seqlens) - x
+        return self.value(torch.relu(self.key(torch.addcmul(x, delta, self.mu_k))).square())
+
+
+class RWKV7Block(nn.Module):
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        C, eps = args.hidden_size, args.norm_eps
+        if layer_id == 0:
+            self.pre_norm = nn.LayerNorm(C, eps=eps)
+        self.attn_norm = nn.LayerNorm(C, eps=eps)
+        self.attn = RWKV7Attention(args, layer_id)
+        self.ffn_norm = nn.LayerNorm(C, eps=eps)
+        self.ffn = RWKV7FeedForward(args, layer_id)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        if self.layer_id == 0:
+            self.pre_norm.reset_parameters()
+        self.attn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attn.init_weights()
+        self.ffn.init_weights()
+
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None):
+        if self.layer_id == 0:
+            x = self.pre_norm(x)
+        attn_out, v_first = self.attn(self.attn_norm(x), v_first, cu_seqlens)
+        x = x + attn_out
+        x = x + self.ffn(self.ffn_norm(x), cu_seqlens)
+        return x, v_first
+
+    def state_flops_per_token(self) -> int:
+        return self.attn.state_flops_per_token()
+
+
+class RWKV7ForCausalLM(CausalLM):
+    def _build_layers(self, args) -> list[nn.Module]:
+        return [RWKV7Block(args, i) for i in range(args.num_layers)]
+
+    def _build_norm(self, args) -> nn.Module:
+        return nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+
+    def _init_embeddings_and_head(self) -> None:
+        init_rwkv_embeddings_and_head(self)
+
+    def _run_layers(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        v_first = None
+        for layer in self.layers:
+            x, v_first = layer(x, v_first, cu_seqlens=cu_seqlens)
+        return x

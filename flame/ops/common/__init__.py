@@ -58,7 +58,8 @@ def dot_dtype(dtype: torch.dtype):
     if os.environ.get("TRITON_INTERPRET") == "1":
         return tl.float32
     if dtype not in _TL_DTYPES:
-        raise TypeError(f"the Triton GLA kernels take float32, float16 or bfloat16 inputs, got {dtype}")
+        raise TypeError(f"the Triton GLA kernels take float32, float16 or bfloat16 inputs, got {dtype} "
+                        "(use backend='torch' for float64)")
     return _TL_DTYPES[dtype]
 
 

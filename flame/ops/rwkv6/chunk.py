@@ -31,5 +31,6 @@ def chunk_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state
     """
     check_rwkv6_inputs("chunk_rwkv6", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
     if resolve_backend(backend, r.device, "chunk_rwkv6") == "triton":
-        raise NotImplementedError("the Triton backend of chunk_rwkv6 is not built yet (issue #4)")
+        from .chunk_triton import chunk_rwkv6_triton
+        return chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
     return chunk_rwkv6_torch(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)

@@ -22,5 +22,6 @@ def fused_recurrent_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_f
     """RWKV6 attention computed token by token; same arguments and results as `chunk_rwkv6`."""
     check_rwkv6_inputs("fused_recurrent_rwkv6", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
     if resolve_backend(backend, r.device, "fused_recurrent_rwkv6") == "triton":
-        raise NotImplementedError("the Triton backend of fused_recurrent_rwkv6 is not built yet (issue #4)")
+        from .fused_recurrent_triton import fused_recurrent_rwkv6_triton
+        return fused_recurrent_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
     return fused_recurrent_rwkv6_torch(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)

@@ -1,0 +1,360 @@
+"""Triton chunked GSA (kernels.md 3.2, 3.3): two gated-linear-attention passes around an fp32 softmax.
+
+Both passes share the gate g on the slot axis M and its fp32 chunk-local cumsum (flame.ops.common).
+
+Pass V (slots -> values, gate on the slot ROWS of Hv [M, V]) is exactly the core's key-side GLA,
+inclusive, with q = p (fp32 slot probabilities), k = s, v = v, scale 1: forward and backward are the
+core's kernels, unchanged.
+
+Pass K (keys -> slots, gate on the slot COLUMNS of Hk [K, M]) is run on the transposed state
+Hk^T [M, K] = diag(a_t) Hk^T_{t-1} + s_t k_t^T, which is again a key-side GLA state, so
+- the state pass is the core's `chunk_state_fwd(k=s, v=k)`;
+- the reverse state-gradient pass is the core's `chunk_state_bwd(q=dz, do=q)`, because
+  dHk^T_in = e^{G_L} dHk^T_out + scale sum_tau (dz_tau e^{G_tau}) q_tau^T;
+- dA_{tau j} = sum_m dz_tau[m] s_j[m] e^{G_tau[m] - G_j[m]} is the core's `intra_chunk_matrix(dz, s)`.
+What the core does not have (its docstring says so) is the READ of a column-gated state: the slot
+scores z_tau[m] = e^{G_tau[m]} (scale q_tau^T Hk_in)[m] + sum_{j<=tau} A_{tau j} s_j[m] e^{G_tau[m]-G_j[m]}
+with the plain A = scale tril(q k^T), and its backward. Those two kernels live here, built from the
+core's helpers and its sub-chunk reference points (every exponent <= 0, padding rows selected out):
+- `_slots_fwd_kernel`: z, then p = softmax(z) over the M slots, max-stabilised in fp32;
+- `_slots_bwd_kernel`: dq, dk, the pass-K part of ds and of dg (identity I2: reverse cumsum of
+  z dz - s ds, plus the chunk term e^{G_L} colsum(Hk_in dHk_out) + sum_j s_j ds^state_j).
+
+Grouped queries: the core has one head count, so k, v, s, g and the states are repeated over each
+query group (only when HQ > H); gradients of the repeated tensors are summed over the group
+afterwards (a reshape-sum, deterministic). The final-state gradient goes to one copy of the group.
+
+Recompute levels (memory): 0 saves the cumsum and both passes' per-chunk states, 1 recomputes the
+cumsum, 2 (default) recomputes the cumsum and the states. z and p are always saved (fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import (block_sizes, chunk_dqkg_bwd, chunk_dv_bwd, chunk_layout, chunk_local_cumsum,
+                      chunk_output_fwd, chunk_state_bwd, chunk_state_fwd, dot_dtype)
+from ..common.intra import intra_chunk_matrix, load_row, load_rows, mm
+
+
+@triton.jit
+def _plain_scores(q, k, t0, Tc, i_h, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, DT: tl.constexpr):
+    """A [BT, BT] fp32 = scale tril_incl(q k^T), zero outside the valid rows and columns."""
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    m_t = rows < Tc
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in tl.static_range(0, triton.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
+        kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
+        A += mm(qq, tl.trans(kk), DT)
+    return tl.where((cols[None, :] <= rows[:, None]) & m_t[:, None] & m_t[None, :], A * scale, 0.0)
+
+
+@triton.jit
+def _column_gated_read(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
+                       BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
+    """Y[tau, m] = sum_{j <= tau} A[tau, j] x[j, m] exp(G[tau, m] - G[j, m])   (A lower triangular).
+
+    Off-diagonal sub-blocks: reference n = the row before query sub-chunk s, so that
+    exp(G_tau - G_n) <= 1 (tau >= n) and exp(G_n - G_j) <= 1 (j <= n); diagonal sub-blocks pair by pair.
+    """
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    m_t = rows < Tc
+    blk = rows // BC
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+    gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
+    xx = load_rows(x, t0, rows, m_t, i_h, cm, m_m, H, M)
+    Y = tl.zeros([BT, BM], dtype=tl.float32)
+    for s in tl.static_range(1, BT // BC):
+        ref = tl.minimum(s * BC - 1, Tc - 1)
+        gn = load_row(gc, t0, ref, i_h, cm, m_m, H, M)
+        xs = xx * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gq, float("-inf")))
+        Y += mm(A, xs, DT) * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
+    for c in range(0, BC):
+        j = blk * BC + c
+        m_j = (j <= rows) & m_t
+        xj = load_rows(x, t0, j, m_j, i_h, cm, m_m, H, M)
+        gj = load_rows(gc, t0, j, m_j, i_h, cm, m_m, H, M)
+        a_j = tl.sum(tl.where(cols[None, :] == j[:, None], A, 0.0), axis=1)       # A[tau, j(tau)]
+        Y += a_j[:, None] * xj * tl.exp2(tl.where(m_j[:, None], gq - gj, float("-inf")))
+    return Y
+
+
+@triton.jit
+def _column_gated_read_t(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
+                         BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
+    """Y[j, m] = sum_{tau >= j} A[tau, j] x[tau, m] exp(G[tau, m] - G[j, m])   (the transposed read).
+
+    Off-diagonal sub-blocks: reference n = the last row of key sub-chunk s (tau > n >= j).
+    """
+    rows = tl.arange(0, BT)
+    m_t = rows < Tc
+    blk = rows // BC
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+    gk = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
+    xx = load_rows(x, t0, rows, m_t, i_h, cm, m_m, H, M)
+    Y = tl.zeros([BT, BM], dtype=tl.float32)
+    for s in tl.static_range(0, BT // BC - 1):
+        ref = tl.minimum(s * BC + BC - 1, Tc - 1)
+        gn = load_row(gc, t0, ref, i_h, cm, m_m, H, M)
+        xs = xx * tl.exp2(tl.where(((rows >= (s + 1) * BC) & m_t)[:, None], gk - gn[None, :], float("-inf")))
+        Y += mm(tl.trans(A), xs, DT) * tl.exp2(
+            tl.where(((blk == s) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
+    for c in range(0, BC):
+        i = blk * BC + c
+        m_i = (i >= rows) & (i < Tc) & m_t
+        xi = load_rows(x, t0, i, m_i, i_h, cm, m_m, H, M)
+        gi = load_rows(gc, t0, i, m_i, i_h, cm, m_m, H, M)
+        a_i = tl.sum(tl.where(rows[:, None] == i[None, :], A, 0.0), axis=0)       # A[i(j), j]
+        Y += a_i[:, None] * xi * tl.exp2(tl.where(m_i[:, None], gi - gk, float("-inf")))
+    return Y
+
+
+@triton.jit
+def _slots_fwd_kernel(q, k, s, gc, h, z, p, cu_seqlens, chunk_indices, scale,
+                      H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      BK: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
+    """Slot scores z of one chunk and head, and p = softmax(z) over the slots (fp32, max-stabilised)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    Tc = tl.minimum(eos - t0, BT)
+    rows = tl.arange(0, BT)
+    m_t = rows < Tc
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+
+    A = _plain_scores(q, k, t0, Tc, i_h, scale, H, K, BT, BK, DT)
+    Z = _column_gated_read(A, s, gc, t0, Tc, i_h, H, M, BT, BC, BM, DT)
+    inter = tl.zeros([BT, BM], dtype=tl.float32)
+    state = (i_c.to(tl.int64) * H + i_h) * M * K
+    for i_k in tl.static_range(0, triton.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
+        hT = tl.load(h + state + cm[:, None] * K + ck[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        inter += mm(qq, tl.trans(hT), DT)
+    gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
+    Z += inter * scale * tl.exp2(tl.where(m_t[:, None], gq, float("-inf")))
+
+    off = ((t0 + rows)[:, None] * H + i_h) * M + cm[None, :]
+    m = m_t[:, None] & m_m[None, :]
+    tl.store(z + off, Z, mask=m)
+    Zm = tl.where(m_m[None, :], Z, float("-inf"))
+    E = tl.exp(Zm - tl.max(Zm, axis=1)[:, None])
+    E = tl.where(m_m[None, :], E, 0.0)
+    tl.store(p + off, E / tl.sum(E, axis=1)[:, None], mask=m)
+
+
+@triton.jit
+def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, dq, dk, ds, dg, cu_seqlens, chunk_indices, scale,
+                      H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      BK: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
+    """dq, dk and the pass-K parts of ds and dg (fp32) of one chunk and head."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    Tc = tl.minimum(eos - t0, BT)
+    rows = tl.arange(0, BT)
+    m_t = rows < Tc
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+
+    A = _plain_scores(q, k, t0, Tc, i_h, scale, H, K, BT, BK, DT)
+    # dA[tau, j] = sum_m dz[tau, m] s[j, m] exp(G[tau, m] - G[j, m]), j <= tau: the core's intra matrix
+    dA = intra_chunk_matrix(dz, s, gc, s, t0, Tc, i_h, 1.0, H, M, BT, BC, BM, False, False, DT)
+    gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
+    gl = load_row(gc, t0, Tc - 1, i_h, cm, m_m, H, M)
+    ss = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M)
+    dzz = load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M)
+    zz = load_rows(z, t0, rows, m_t, i_h, cm, m_m, H, M)
+    to_end = tl.exp2(tl.where(m_t[:, None], gl[None, :] - gq, float("-inf")))     # e^{G_L - G_j}
+    dz_in = dzz * tl.exp2(tl.where(m_t[:, None], gq, float("-inf"))) * scale
+    s_end = ss * to_end
+    ds_state = tl.zeros([BT, BM], dtype=tl.float32)
+    h_dh = tl.zeros([BM], dtype=tl.float32)
+    state = (i_c.to(tl.int64) * H + i_h) * M * K
+    for i_k in tl.static_range(0, triton.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        m_mk = m_m[:, None] & m_k[None, :]
+        qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
+        kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
+        hT = tl.load(h + state + cm[:, None] * K + ck[None, :], mask=m_mk, other=0.0)
+        dhT = tl.load(dh + state + cm[:, None] * K + ck[None, :], mask=m_mk, other=0.0)
+        dq_ = mm(dA, kk, DT) * scale + mm(dz_in, hT, DT)
+        dk_ = mm(tl.trans(dA), qq, DT) * scale + mm(s_end, dhT, DT)
+        ds_state += mm(kk, tl.trans(dhT), DT)
+        h_dh += tl.sum(hT * dhT, axis=1)
+        off = ((t0 + rows)[:, None] * H + i_h) * K + ck[None, :]
+        m = m_t[:, None] & m_k[None, :]
+        tl.store(dq + off, dq_.to(dq.dtype.element_ty), mask=m)
+        tl.store(dk + off, dk_.to(dk.dtype.element_ty), mask=m)
+    ds_state = ds_state * to_end
+    g_last = tl.exp2(gl) * h_dh + tl.sum(ss * ds_state, axis=0)
+    ds_ = ds_state + _column_gated_read_t(A, dz, gc, t0, Tc, i_h, H, M, BT, BC, BM, DT)
+    dg_ = tl.cumsum(zz * dzz - ss * ds_, axis=0, reverse=True) + g_last[None, :]
+    off = ((t0 + rows)[:, None] * H + i_h) * M + cm[None, :]
+    m = m_t[:, None] & m_m[None, :]
+    tl.store(ds + off, ds_, mask=m)
+    tl.store(dg + off, dg_, mask=m)
+
+
+def _slot_blocks(K: int, M: int) -> tuple[int, int]:
+    return min(64, max(16, triton.next_power_of_2(K))), max(16, triton.next_power_of_2(M))
+
+
+def slots_fwd(q, k, s, gc, hk, layout, scale, DT):
+    """z and p [B, T, H, M] fp32 from the per-chunk transposed key states hk [num_chunks, H, M, K]."""
+    B, T, H, K = q.shape
+    M = s.shape[-1]
+    BK, BM = _slot_blocks(K, M)
+    z = torch.empty(B, T, H, M, device=q.device, dtype=torch.float32)
+    p = torch.empty_like(z)
+    _slots_fwd_kernel[(layout.num_chunks, H)](
+        q, k, s, gc, hk, z, p, layout.cu_seqlens, layout.chunk_indices, scale,
+        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=DT, num_warps=4)
+    return z, p
+
+
+def slots_bwd(q, k, s, gc, hk, dhk, z, dz, layout, scale, DT):
+    """dq, dk (dtypes of q, k) and the pass-K ds, dg (fp32)."""
+    B, T, H, K = q.shape
+    M = s.shape[-1]
+    BK, BM = _slot_blocks(K, M)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    ds = torch.empty(B, T, H, M, device=q.device, dtype=torch.float32)
+    dg = torch.empty_like(ds)
+    _slots_bwd_kernel[(layout.num_chunks, H)](
+        q, k, s, gc, hk, dhk, z, dz, dq, dk, ds, dg, layout.cu_seqlens, layout.chunk_indices, scale,
+        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=DT, num_warps=4)
+    return dq, dk, ds, dg
+
+
+def _repeat(x, NG, dim):
+    return x if x is None or NG == 1 else x.repeat_interleave(NG, dim=dim)
+
+
+def _group_sum(x, NG, dim):
+    """Sum the NG consecutive copies of each key/value head along `dim` (the inverse of _repeat)."""
+    if NG == 1:
+        return x
+    shape = list(x.shape)
+    shape[dim:dim + 1] = [shape[dim] // NG, NG]
+    return x.reshape(shape).sum(dim + 1)
+
+
+def _first_of_group(dht, NG):
+    """A final-state gradient [N, H, ...] placed on the first copy of each group of [N, H*NG, ...]."""
+    if NG == 1:
+        return dht
+    out = dht.new_zeros(dht.shape[0], dht.shape[1] * NG, *dht.shape[2:])
+    out[:, ::NG] = dht
+    return out
+
+
+def _forward_states(q, k, v, s, g, hk0T, hv0, layout, DT, output_final_state, gc=None):
+    gc = chunk_local_cumsum(g, layout) if gc is None else gc
+    hk, hkT = chunk_state_fwd(s, k, gc, layout, hk0T, output_final_state, DT)
+    hv, hvT = chunk_state_fwd(s, v, gc, layout, hv0, output_final_state, DT)
+    return gc, hk, hkT, hv, hvT
+
+
+class ChunkGSAFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, chunk_size, recompute_level):
+        B, T, HQ, K = q.shape
+        H, V, M = k.shape[2], v.shape[-1], s.shape[-1]
+        NG = HQ // H
+        k_, v_, s_, g_ = (_repeat(x, NG, 2) for x in (k, v, s, g))
+        hk0T = None if hk0 is None else _repeat(hk0.transpose(-1, -2), NG, 1).contiguous()
+        hv0_ = None if hv0 is None else _repeat(hv0, NG, 1).contiguous()
+        layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
+        DT = dot_dtype(q.dtype)
+        gc, hk, hkT, hv, hvT = _forward_states(q, k_, v_, s_, g_, hk0T, hv0_, layout, DT, output_final_state)
+        z, p = slots_fwd(q, k_, s_, gc, hk, layout, scale, DT)
+        BM, BV = block_sizes(M, V)
+        o = chunk_output_fwd(p, s_, v_, gc, hv, layout, 1.0, False, None, DT, BM, BV)
+        if output_final_state:
+            hkT = hkT[:, ::NG].transpose(-1, -2).contiguous()
+            hvT = hvT[:, ::NG].contiguous()
+        saved_gc = gc if recompute_level <= 0 else None
+        saved_h = (hk, hv) if recompute_level <= 1 else (None, None)
+        ctx.save_for_backward(q, k, v, s, g, hk0T, hv0_, z, p, saved_gc, *saved_h)
+        ctx.meta = (scale, cu_seqlens, chunk_size, NG)
+        return o, hkT, hvT
+
+    @staticmethod
+    def backward(ctx, do, dhkT, dhvT):
+        q, k, v, s, g, hk0T, hv0_, z, p, gc, hk, hv = ctx.saved_tensors
+        scale, cu_seqlens, chunk_size, NG = ctx.meta
+        B, T, HQ, K = q.shape
+        M, V = s.shape[-1], v.shape[-1]
+        k_, v_, s_, g_ = (_repeat(x, NG, 2) for x in (k, v, s, g))
+        layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
+        DT = dot_dtype(q.dtype)
+        if hk is None:
+            gc, hk, _, hv, _ = _forward_states(q, k_, v_, s_, g_, hk0T, hv0_, layout, DT, False, gc)
+        elif gc is None:
+            gc = chunk_local_cumsum(g_, layout)
+        do = do.contiguous()
+        dhkT_ = None if dhkT is None else _first_of_group(dhkT.float().transpose(-1, -2).contiguous(), NG)
+        dhvT_ = None if dhvT is None else _first_of_group(dhvT.float().contiguous(), NG)
+        BM, BV = block_sizes(M, V)
+
+        # pass V: the core's key-side GLA backward with q = p, k = s (fp32 copies give fp32 ds, dg)
+        dhv, dhv0 = chunk_state_bwd(p, do, gc, layout, dhvT_, 1.0, False, hv0_ is not None, DT)
+        s32 = s_.float()
+        dp, ds_v, dg_v, _ = chunk_dqkg_bwd(p, s32, v_, gc, gc, None, hv, do, dhv, layout, 1.0, False, DT, BM, BV)
+        dv = chunk_dv_bwd(p, s_, v_, gc, None, do, dhv, layout, 1.0, False, DT, BM, BV)
+        # softmax over slots, fp32
+        dz = p * (dp - (p * dp).sum(-1, keepdim=True))
+        # pass K: transposed state gradients from the core, then the column-gated read backward
+        dhk, dhk0T = chunk_state_bwd(dz, q, gc, layout, dhkT_, scale, False, hk0T is not None, DT)
+        dq, dk, ds_k, dg_k = slots_bwd(q, k_, s_, gc, hk, dhk, z, dz, layout, scale, DT)
+
+        dk = _group_sum(dk, NG, 2)
+        dv = _group_sum(dv, NG, 2)
+        ds = _group_sum(ds_k + ds_v, NG, 2).to(s.dtype)
+        dg = _group_sum(dg_k + dg_v, NG, 2).to(g.dtype)
+        dhk0 = None if dhk0T is None else _group_sum(dhk0T, NG, 1).transpose(-1, -2).contiguous()
+        dhv0 = None if dhv0 is None else _group_sum(dhv0, NG, 1)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), ds, dg, None, dhk0, dhv0, None, None, None, None
+
+
+def chunk_gsa_triton(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     chunk_size=64, recompute_level=2):
+    """Triton chunked GSA on validated inputs; returns (o in q's dtype, (hk, hv) fp32 or None).
+
+    chunk_size: 16, 32 or 64 tokens per chunk. recompute_level: 0 saves cumsum and chunk states
+    for the backward, 1 recomputes the cumsum, 2 recomputes cumsum and states (least memory).
+    """
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    if recompute_level not in (0, 1, 2):
+        raise ValueError(f"recompute_level must be 0, 1 or 2, got {recompute_level}")
+    hk0, hv0 = (None, None) if initial_state is None else initial_state
+    if (hk0 is None) != (hv0 is None):
+        raise ValueError("initial_state must be the pair (hk, hv), both tensors or both None")
+    q, k, v, s, g = (x.contiguous() for x in (q, k, v, s, g))
+    o, hkT, hvT = ChunkGSAFunction.apply(q, k, v, s, g, float(scale), hk0, hv0, bool(output_final_state),
+                                         cu_seqlens, chunk_size, recompute_level)
+    return o, ((hkT, hvT) if output_final_state else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flame.data.loader import DataLoader
+from flame.data.shards import open_shards
 from flame.data.sources import DataError, load_documents
 from flame.data.tokens import build_stream, split_indices, tokenize_documents
 
@@ -12,7 +13,7 @@ def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: st
                      seed: int = 0, dp_rank: int = 0, dp_world_size: int = 1,
                      name: str = "", dataset_split: str = "train", streaming: bool = False,
                      val_fraction: float = 0.01, sources=(), probs=(), varlen: bool = False,
-                     context_len: int = 0, num_workers: int = 0,
+                     context_len: int = 0, num_workers: int = 0, shard_dir: str = "",
                      allow_dp_resplit: bool = False) -> DataLoader:
     """A DataLoader over one source (`dataset`, with `data_files`) or a mixture (`sources`,
     sampled with `probs`).
@@ -22,7 +23,15 @@ def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: st
     varlen: one row of batch_size * seq_len tokens per batch with `cu_seqlens` at document
     starts, documents cut into pieces of at most context_len (0: seq_len) tokens.
     num_workers > 1 tokenizes in that many worker processes.
+    shard_dir: read the pre-tokenized shards of that folder (flame.data.prepare) instead of text;
+    their sources replace `dataset`/`sources` (probs still apply).
     """
+    if shard_dir:
+        streams = open_shards(shard_dir, tokenizer, split, val_fraction)
+        return make_loader(streams, tokenizer.eod_id, batch_size=batch_size, seq_len=seq_len,
+                           split=split, seed=seed, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                           probs=probs, varlen=varlen, context_len=context_len,
+                           allow_dp_resplit=allow_dp_resplit)
     specs = list(sources) or [dataset]
     if streaming:
         raise DataError("data.streaming is not supported by the training loader: it needs the "
@@ -36,7 +45,14 @@ def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: st
         docs = split_indices(len(offsets) - 1, val_fraction, split)
         streams.append((build_stream(tokens, offsets, docs, tokenizer.eod_id),
                         f"{description}/{split}"))
-    return DataLoader(streams, eod_id=tokenizer.eod_id, batch_size=batch_size, seq_len=seq_len,
-                      split=split, seed=seed, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                      probs=list(probs) or None, varlen=varlen, context_len=context_len,
-                      allow_dp_resplit=allow_dp_resplit)
+    return make_loader(streams, tokenizer.eod_id, batch_size=batch_size, seq_len=seq_len,
+                       split=split, seed=seed, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                       probs=probs, varlen=varlen, context_len=context_len,
+                       allow_dp_resplit=allow_dp_resplit)
+
+
+def make_loader(streams, eod_id: int, *, probs, **kwargs) -> DataLoader:
+    if probs and len(probs) != len(streams):
+        raise DataError(f"data.probs has {len(probs)} entries for {len(streams)} sources "
+                        f"({', '.join(d for _, d in streams)})")
+    return DataLoader(streams, eod_id=eod_id, probs=list(probs) or None, **kwargs)

@@ -87,7 +87,8 @@ def load_documents(spec: str, *, data_files: list[str] | tuple = (), name: str =
         for f in files:
             if file_type(f) is not None and file_type(f) != kind:
                 raise DataError(f"{f} is not a {kind} file (data.dataset = {spec!r})")
-        description = f"{kind}:{','.join(files) if len(files) <= 3 else files[0] + ', ...'}"
+        description = "embedded" if spec == "embedded" else (
+            f"{kind}:{','.join(files) if len(files) <= 3 else files[0] + ', ...'}")
         if all(num_rows(kind, f) == 0 for f in files):
             raise DataError(f"dataset {description} is empty")
         extra = {"sample_by": "document"} if kind == "text" else {}

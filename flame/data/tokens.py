@@ -37,33 +37,41 @@ def split_indices(num_docs: int, val_fraction: float, split: str) -> np.ndarray:
     return np.flatnonzero(is_val if split == "validation" else ~is_val)
 
 
-_TOKENIZED: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+def tokenize_dataset(ds, text_field: str, tokenizer, num_workers: int = 0):
+    """A `datasets.Dataset` with one column "ids": each document's tokens, EOD appended.
 
-
-def tokenize_documents(ds, text_field: str, tokenizer, num_workers: int = 0):
-    """Tokenize every document of a `datasets.Dataset`, EOD appended to each.
-
-    Returns (tokens, offsets): document i is tokens[offsets[i]:offsets[i+1]], EOD included.
-    With num_workers > 1 the tokenization runs in that many worker processes (datasets.map).
-    Results are cached on disk by `datasets` and in memory for this process.
+    With num_workers > 1 the tokenization runs in that many worker processes (datasets.map);
+    `datasets` caches the result on disk, keyed by the data and the tokenizer.
     """
-    key = (getattr(ds, "_fingerprint", None) or id(ds), text_field, tokenizer.fingerprint)
-    if key in _TOKENIZED:
-        return _TOKENIZED[key]
     eod = tokenizer.eod_id
 
     def encode(batch):
         return {"ids": [ids + [eod] for ids in tokenizer.encode_batch(batch[text_field])]}
 
-    tokenized = ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
-                       num_proc=num_workers if num_workers > 1 else None,
-                       desc="tokenizing")
-    column = tokenized.data.column("ids").combine_chunks()
-    tokens = column.flatten().to_numpy(zero_copy_only=False).astype(token_dtype(tokenizer.vocab_size))
+    return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
+                  num_proc=num_workers if num_workers > 1 else None, desc="tokenizing")
+
+
+def ids_to_numpy(ids_column, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, offsets) of an arrow list column: document i is tokens[offsets[i]:offsets[i+1]]."""
+    column = ids_column.combine_chunks() if hasattr(ids_column, "combine_chunks") else ids_column
+    tokens = column.flatten().to_numpy(zero_copy_only=False).astype(dtype)
     offsets = column.offsets.to_numpy().astype(np.int64)
-    offsets = offsets - offsets[0]
-    _TOKENIZED[key] = (tokens, offsets)
-    return tokens, offsets
+    return tokens, offsets - offsets[0]
+
+
+_TOKENIZED: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def tokenize_documents(ds, text_field: str, tokenizer, num_workers: int = 0):
+    """(tokens, offsets) of every document of `ds`, EOD appended to each; document i is
+    tokens[offsets[i]:offsets[i+1]]. Cached in memory for this process."""
+    key = (getattr(ds, "_fingerprint", None) or id(ds), text_field, tokenizer.fingerprint)
+    if key not in _TOKENIZED:
+        tokenized = tokenize_dataset(ds, text_field, tokenizer, num_workers)
+        _TOKENIZED[key] = ids_to_numpy(tokenized.data.column("ids"),
+                                       token_dtype(tokenizer.vocab_size))
+    return _TOKENIZED[key]
 
 
 def build_stream(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray, eod_id: int) -> np.ndarray:

@@ -21,8 +21,12 @@ import triton.language as tl
 
 from .intra import intra_chunk_matrix, load_query_gate, load_row, load_rows, mm
 from .layout import ChunkLayout
+from .tuning import configs
+
+_WARPS = configs([triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)])
 
 
+@triton.autotune(configs=_WARPS, key=["H", "K", "V", "BT", "BK", "BV", "EXCLUSIVE", "HAS_U", "DT"])
 @triton.jit
 def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dq, dk, dg, du, cu_seqlens, chunk_indices, scale,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -129,6 +133,7 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dq, dk, dg, du, cu_seqlens, chunk_in
     tl.store(dg + off, dg_.to(dg.dtype.element_ty), mask=m)
 
 
+@triton.autotune(configs=_WARPS, key=["H", "K", "V", "BT", "BK", "BV", "EXCLUSIVE", "HAS_U", "DT"])
 @triton.jit
 def _dv_kernel(q, k, gc, u, do, dh, dv, cu_seqlens, chunk_indices, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,

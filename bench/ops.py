@@ -1,0 +1,165 @@
+"""Speed of flame's linear-attention kernels, and of fla's at the same shapes when fla is importable.
+
+    python bench/ops.py                        # every registered op at its shapes
+    python bench/ops.py --ops chunk_rwkv6      # a subset
+    python bench/ops.py --profile              # also a per-kernel profile of one forward+backward
+
+Times are medians of `triton.testing.do_bench` (ms): the forward, and forward + backward (the
+backward of <o, do> with a fixed random do). `ratio` is flame / fla (< 1: flame is faster).
+
+Each op is one `BenchOp` in REGISTRY: a name, its shapes, an input builder and the flame and fla
+callables (fla's is None where fla has no counterpart, or returns None when fla is not installed).
+A family adds its entry with `register(BenchOp(...))` below the existing ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass(frozen=True)
+class BenchOp:
+    name: str
+    shapes: tuple[dict, ...]                        # keyword arguments of make_inputs (B, T, H, K, V, ...)
+    make_inputs: Callable[..., dict]                # (dtype, device, **shape) -> dict of tensors (leaves require grad)
+    flame: Callable[[dict], torch.Tensor]           # inputs -> o
+    fla: Callable[[], Callable[[dict], torch.Tensor] | None] | None = None   # () -> (inputs -> o), or None
+
+
+REGISTRY: dict[str, BenchOp] = {}
+
+
+def register(op: BenchOp) -> None:
+    REGISTRY[op.name] = op
+
+
+def _fla(module: str, name: str):
+    """fla's function `name` from `module`, or None when fla is not installed."""
+    try:
+        mod = __import__(module, fromlist=[name])
+    except ImportError:
+        return None
+    return getattr(mod, name)
+
+
+# ------------------------------------------------------------------------------------------------
+# RWKV6
+
+def _rwkv6_inputs(dtype, device, B, T, H, K, V):
+    def leaf(x):
+        return x.to(dtype).requires_grad_(True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {
+        "r": leaf(torch.randn(B, T, H, K, device=device, generator=gen)),
+        "k": leaf(torch.randn(B, T, H, K, device=device, generator=gen)),
+        "v": leaf(torch.randn(B, T, H, V, device=device, generator=gen)),
+        "w": leaf(F.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen))),
+        "u": leaf(torch.randn(H, K, device=device, generator=gen) * 0.5),
+    }
+
+
+def _flame_chunk_rwkv6(x):
+    from flame.ops.rwkv6.chunk import chunk_rwkv6
+    return chunk_rwkv6(x["r"], x["k"], x["v"], x["w"], x["u"], scale=1.0, backend="triton")[0]
+
+
+def _fla_chunk_rwkv6():
+    fn = _fla("fla.ops.rwkv6", "chunk_rwkv6")
+    return None if fn is None else (lambda x: fn(x["r"], x["k"], x["v"], x["w"], x["u"], scale=1.0)[0])
+
+
+register(BenchOp(
+    name="chunk_rwkv6",
+    shapes=(dict(B=8, T=2048, H=16, K=64, V=64), dict(B=2, T=8192, H=16, K=64, V=64)),
+    make_inputs=_rwkv6_inputs,
+    flame=_flame_chunk_rwkv6,
+    fla=_fla_chunk_rwkv6,
+))
+
+
+# ------------------------------------------------------------------------------------------------
+
+def _time(fn: Callable[[dict], torch.Tensor], inputs: dict) -> tuple[float, float]:
+    from triton.testing import do_bench
+
+    leaves = [x for x in inputs.values() if isinstance(x, torch.Tensor) and x.requires_grad]
+    with torch.no_grad():
+        do = torch.randn_like(fn(inputs))
+
+    def fwd():
+        with torch.no_grad():
+            fn(inputs)
+
+    def fwd_bwd():
+        torch.autograd.backward(fn(inputs), do)
+
+    return do_bench(fwd), do_bench(fwd_bwd, grad_to_none=leaves)
+
+
+def _profile(fn: Callable[[dict], torch.Tensor], inputs: dict, title: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        do = torch.randn_like(fn(inputs))
+    for _ in range(3):
+        torch.autograd.backward(fn(inputs), do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            torch.autograd.backward(fn(inputs), do)
+        torch.cuda.synchronize()
+    print(f"\nprofile of 5 x forward+backward: {title}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", default=",".join(REGISTRY), help="comma-separated op names")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--profile", action="store_true", help="print a per-kernel profile of each op's first shape")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/ops.py needs a CUDA GPU")
+    dtype = getattr(torch, args.dtype)
+    names = [n for n in args.ops.split(",") if n]
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise SystemExit(f"unknown ops {unknown}; registered: {list(REGISTRY)}")
+
+    print(f"device: {torch.cuda.get_device_name()}, dtype {args.dtype}, times in ms (median)")
+    header = f"{'op':<24}{'shape':<28}{'flame fwd':>10}{'fla fwd':>10}{'ratio':>7}" \
+             f"{'flame f+b':>11}{'fla f+b':>10}{'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        op = REGISTRY[name]
+        fla_fn = op.fla() if op.fla is not None else None
+        for i, shape in enumerate(op.shapes):
+            inputs = op.make_inputs(dtype, "cuda", **shape)
+            f_fwd, f_all = _time(op.flame, inputs)
+            if fla_fn is not None:
+                r_fwd, r_all = _time(fla_fn, inputs)
+                cmp = f"{r_fwd:>10.3f}{f_fwd / r_fwd:>7.2f}", f"{r_all:>10.3f}{f_all / r_all:>7.2f}"
+            else:
+                cmp = f"{'-':>10}{'-':>7}", f"{'-':>10}{'-':>7}"
+            label = "_".join(f"{k}{v}" for k, v in shape.items())
+            print(f"{name:<24}{label:<28}{f_fwd:>10.3f}{cmp[0]}{f_all:>11.3f}{cmp[1]}", flush=True)
+            if args.profile and i == 0:
+                _profile(op.flame, inputs, f"flame {name} {label}")
+                if fla_fn is not None:
+                    _profile(fla_fn, inputs, f"fla {name} {label}")
+            del inputs
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -34,5 +34,7 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     check_rwkv7_inputs("chunk_rwkv7", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                        gate_lower_bound)
     if resolve_backend(backend, r.device, "chunk_rwkv7") == "triton":
-        raise NotImplementedError("the Triton backend of chunk_rwkv7 is not built yet (issue #4)")
+        from .chunk_triton import chunk_rwkv7_triton
+        return chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                                  gate_lower_bound)
     return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

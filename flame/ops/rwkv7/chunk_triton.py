@@ -61,64 +61,63 @@ def centred_chunk_size(gate_lower_bound) -> int | None:
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _intra_pairwise_fwd(q, k, a, b, G, Gb, BT: tl.constexpr):
-    """Exact per-pair exponents; q is pre-scaled. Returns M^qk, M^qb (incl), M^ak, M^ab (strict)."""
-    rows = tl.arange(0, BT)
-    cols = tl.arange(0, BT)
+def _intra_pairwise_fwd(q, k, a, b, G, Gb, BT: tl.constexpr, PREC: tl.constexpr):
+    """Exact per-pair exponents; q is pre-scaled. Returns M^qk, M^qb (incl), M^ak, M^ab (strict).
+
+    One key column j per step: its exponents Γ_τ - Γ_j (Γ̄_τ - Γ_j) are <= 0 on the kept rows and
+    set to 0 elsewhere before exp2, then the column comes from a product with the tile holding only
+    row j of k (b), so every op stays a select, an exp2 or a tl.dot (no reductions in the loop)."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    zero_tt = tl.zeros([BT, BT], dtype=tl.float32)
     Mqk = tl.zeros([BT, BT], dtype=tl.float32)
     Mqb = tl.zeros([BT, BT], dtype=tl.float32)
     Mak = tl.zeros([BT, BT], dtype=tl.float32)
     Mab = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(0, BT):
-        sel = (rows == j)[:, None]
-        k_j = tl.sum(tl.where(sel, k, 0.0), 0)[None, :]
-        b_j = tl.sum(tl.where(sel, b, 0.0), 0)[None, :]
-        g_j = tl.sum(tl.where(sel, G, 0.0), 0)[None, :]
-        incl = (rows >= j)[:, None]
-        strict = (rows > j)[:, None]
-        e_q = tl.exp2(tl.where(incl, G - g_j, 0.0))
-        e_a = tl.exp2(tl.where(strict, Gb - g_j, 0.0))
-        c_qk = tl.sum(q * k_j * e_q, 1)
-        c_qb = tl.sum(q * b_j * e_q, 1)
-        c_ak = tl.sum(a * k_j * e_a, 1)
-        c_ab = tl.sum(a * b_j * e_a, 1)
-        col = (cols == j)[None, :]
-        Mqk = tl.where(col & incl, c_qk[:, None], Mqk)
-        Mqb = tl.where(col & incl, c_qb[:, None], Mqb)
-        Mak = tl.where(col & strict, c_ak[:, None], Mak)
-        Mab = tl.where(col & strict, c_ab[:, None], Mab)
+        # every row = row j of Γ, bit-exact (one-hot product in ieee fp32; no nested call, no reduction)
+        g_j = tl.dot(tl.where(cols == j, 1.0, 0.0) + zero_tt, G, input_precision="ieee")
+        incl = rows >= j
+        strict = rows > j
+        qe = q * tl.exp2(tl.where(incl, G - g_j, 0.0))
+        ae = a * tl.exp2(tl.where(strict, Gb - g_j, 0.0))
+        k_j = tl.where(rows == j, k, 0.0)
+        b_j = tl.where(rows == j, b, 0.0)
+        Mqk += tl.where(incl, tl.dot(qe, tl.trans(k_j), input_precision=PREC), 0.0)
+        Mqb += tl.where(incl, tl.dot(qe, tl.trans(b_j), input_precision=PREC), 0.0)
+        Mak += tl.where(strict, tl.dot(ae, tl.trans(k_j), input_precision=PREC), 0.0)
+        Mab += tl.where(strict, tl.dot(ae, tl.trans(b_j), input_precision=PREC), 0.0)
     return Mqk, Mqb, Mak, Mab
 
 
 @triton.jit
-def _intra_pairwise_bwd(q, k, a, b, G, Gb, dMqk, dMqb, dMak, dMab, BT: tl.constexpr, BK: tl.constexpr):
-    """Gradients of the four M matrices (masked) into q (pre-scaled), k, a, b, exact per pair."""
-    rows = tl.arange(0, BT)
-    cols = tl.arange(0, BT)
+def _intra_pairwise_bwd(q, k, a, b, G, Gb, dMqk, dMqb, dMak, dMab, BT: tl.constexpr, BK: tl.constexpr,
+                        PREC: tl.constexpr):
+    """Gradients of the four (masked) M matrices into q (pre-scaled), k, a, b, exact per pair."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    zero_tt = tl.zeros([BT, BT], dtype=tl.float32)
     dq = tl.zeros([BT, BK], dtype=tl.float32)
     dk = tl.zeros([BT, BK], dtype=tl.float32)
     da = tl.zeros([BT, BK], dtype=tl.float32)
     db = tl.zeros([BT, BK], dtype=tl.float32)
     for j in range(0, BT):
-        sel = (rows == j)[:, None]
-        col = (cols == j)[None, :]
-        k_j = tl.sum(tl.where(sel, k, 0.0), 0)[None, :]
-        b_j = tl.sum(tl.where(sel, b, 0.0), 0)[None, :]
-        g_j = tl.sum(tl.where(sel, G, 0.0), 0)[None, :]
-        incl = (rows >= j)[:, None]
-        strict = (rows > j)[:, None]
-        e_q = tl.exp2(tl.where(incl, G - g_j, 0.0))
-        e_a = tl.exp2(tl.where(strict, Gb - g_j, 0.0))
-        d_qk = tl.sum(tl.where(col, dMqk, 0.0), 1)[:, None]
-        d_qb = tl.sum(tl.where(col, dMqb, 0.0), 1)[:, None]
-        d_ak = tl.sum(tl.where(col, dMak, 0.0), 1)[:, None]
-        d_ab = tl.sum(tl.where(col, dMab, 0.0), 1)[:, None]
-        dq += (d_qk * k_j + d_qb * b_j) * e_q
-        da += (d_ak * k_j + d_ab * b_j) * e_a
-        dk_j = tl.sum(d_qk * q * e_q + d_ak * a * e_a, 0)
-        db_j = tl.sum(d_qb * q * e_q + d_ab * a * e_a, 0)
-        dk = tl.where(sel, dk_j[None, :], dk)
-        db = tl.where(sel, db_j[None, :], db)
+        # every row = row j of Γ, bit-exact (one-hot product in ieee fp32; no nested call, no reduction)
+        g_j = tl.dot(tl.where(cols == j, 1.0, 0.0) + zero_tt, G, input_precision="ieee")
+        e_q = tl.exp2(tl.where(rows >= j, G - g_j, 0.0))
+        e_a = tl.exp2(tl.where(rows > j, Gb - g_j, 0.0))
+        k_j = tl.where(rows == j, k, 0.0)
+        b_j = tl.where(rows == j, b, 0.0)
+        d_qk = tl.where(cols == j, dMqk, 0.0)
+        d_qb = tl.where(cols == j, dMqb, 0.0)
+        d_ak = tl.where(cols == j, dMak, 0.0)
+        d_ab = tl.where(cols == j, dMab, 0.0)
+        dq += (tl.dot(d_qk, k_j, input_precision=PREC) + tl.dot(d_qb, b_j, input_precision=PREC)) * e_q
+        da += (tl.dot(d_ak, k_j, input_precision=PREC) + tl.dot(d_ab, b_j, input_precision=PREC)) * e_a
+        qe = q * e_q
+        ae = a * e_a
+        dk += tl.dot(tl.trans(d_qk), qe, input_precision=PREC) + tl.dot(tl.trans(d_ak), ae, input_precision=PREC)
+        db += tl.dot(tl.trans(d_qb), qe, input_precision=PREC) + tl.dot(tl.trans(d_ab), ae, input_precision=PREC)
     return dq, dk, da, db
 
 
@@ -216,9 +215,9 @@ def _prepare_kernel(
         if tl.min(tl.where(m_rk, b_w, 0.0)) >= lower_bound:
             b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_centred_fwd(b_q, b_k, b_a, b_b, G, Gb, BT, QK_BF16, PREC)
         else:
-            b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_pairwise_fwd(b_q, b_k, b_a, b_b, G, Gb, BT)
+            b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_pairwise_fwd(b_q, b_k, b_a, b_b, G, Gb, BT, PREC)
     else:
-        b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_pairwise_fwd(b_q, b_k, b_a, b_b, G, Gb, BT)
+        b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_pairwise_fwd(b_q, b_k, b_a, b_b, G, Gb, BT, PREC)
 
     b_Tm = unit_lower_inverse(b_Mab, BT, PREC)
     b_ah = b_a * tl.exp2(Gb)
@@ -272,7 +271,7 @@ def _state_kernel(
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        S += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.0)
+        S += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
     for i_t in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_t * BT
         m_r = (rows < eos - t0)[:, None]
@@ -356,7 +355,7 @@ def _dstate_kernel(
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        dS += tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.0)
+        dS += tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
     NT = tl.cdiv(eos - bos, BT)
     for i in range(0, NT):
         i_t = NT - 1 - i
@@ -471,9 +470,9 @@ def _backward_kernel(
                 b_q, b_k, b_a, b_b, G, Gb, d_Mqk, d_Mqb, d_Mak, d_Mab, BT, PREC)
         else:
             i_dq, i_dk, i_da, i_db = _intra_pairwise_bwd(
-                b_q, b_k, b_a, b_b, G, Gb, d_Mqk, d_Mqb, d_Mak, d_Mab, BT, BK)
+                b_q, b_k, b_a, b_b, G, Gb, d_Mqk, d_Mqb, d_Mak, d_Mab, BT, BK, PREC)
     else:
-        i_dq, i_dk, i_da, i_db = _intra_pairwise_bwd(b_q, b_k, b_a, b_b, G, Gb, d_Mqk, d_Mqb, d_Mak, d_Mab, BT, BK)
+        i_dq, i_dk, i_da, i_db = _intra_pairwise_bwd(b_q, b_k, b_a, b_b, G, Gb, d_Mqk, d_Mqb, d_Mak, d_Mab, BT, BK, PREC)
     b_dq += i_dq
     b_dk += i_dk
     b_da += i_da
@@ -515,6 +514,12 @@ def _chunk_layout(B, T, BT, cu_seqlens, device):
 
 def _state_block_v(BK, V):
     return min(max(triton.next_power_of_2(V), 16), 64 if BK <= 64 else 32)
+
+
+def _check_kernel_dtype(op, r):
+    if r.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{op}: the Triton kernels take float32, float16 or bfloat16 inputs, got {r.dtype}; "
+                        "use backend='torch' for float64")
 
 
 class _Plan:
@@ -628,5 +633,6 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     of recomputing them (faster backward, more memory).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
+    _check_kernel_dtype("chunk_rwkv7", r)
     return ChunkRWKV7Function.apply(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                                     gate_lower_bound, cache_intermediates)

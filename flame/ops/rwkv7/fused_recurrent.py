@@ -23,5 +23,6 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, outpu
     check_rwkv7_inputs("fused_recurrent_rwkv7", r, w, k, v, a, b, scale, initial_state, output_final_state,
                        cu_seqlens, gate_lower_bound)
     if resolve_backend(backend, r.device, "fused_recurrent_rwkv7") == "triton":
-        raise NotImplementedError("the Triton backend of fused_recurrent_rwkv7 is not built yet (issue #4)")
+        from .fused_recurrent_triton import fused_recurrent_rwkv7_triton
+        return fused_recurrent_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
     return fused_recurrent_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

@@ -99,7 +99,7 @@ def _fused_recurrent_bwd_kernel(
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        dS += tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0)
+        dS += tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0).to(tl.float32)
     ck_base = tl.load(ckpt_offsets + i_n).to(tl.int64)
     n_seg = tl.cdiv(seq_len, CK)
 
@@ -225,4 +225,7 @@ def fused_recurrent_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None
 
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
+    if r.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"fused_recurrent_rwkv7: the Triton kernels take float32, float16 or bfloat16 inputs, got "
+                        f"{r.dtype}; use backend='torch' for float64")
     return FusedRecurrentRWKV7Function.apply(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

@@ -1,0 +1,380 @@
+"""RWKV7 Triton kernels (chunked DPLR and fused recurrent) against the fp64 step-by-step naive_rwkv7.
+
+CPU runs use the Triton interpreter (set by conftest), with small shapes. The hazards are those of
+kernels.md section 7 that apply to RWKV7 (2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 16, 17), plus the
+named regressions of known-failures.md 3 and 5. GPU-only tests (bf16, T = 4096, realistic sizes)
+are marked `gpu`.
+"""
+
+import math
+
+import pytest
+import torch
+
+from flame.ops import checks
+from flame.ops.rwkv7.chunk import chunk_rwkv7
+from flame.ops.rwkv7.chunk_triton import centred_chunk_size, chunk_rwkv7_triton
+from flame.ops.rwkv7.fused_recurrent import fused_recurrent_rwkv7
+from flame.ops.rwkv7.fused_recurrent_triton import fused_recurrent_rwkv7_triton
+from flame.ops.rwkv7.naive import naive_rwkv7
+from flame.ops.rwkv7.wy_inverse_triton import unit_lower_inverse_triton
+from tests.ops.assertions import assert_close, assert_finite
+from tests.ops.inputs import (RWKV7_LOG_DECAY_BOUND, grad_leaves, loss_of, make_cu_seqlens, make_rwkv7_inputs,
+                              random_like, rwkv7_a_b, to_reference, varlen_state)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RATIO = {torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+LB = RWKV7_LOG_DECAY_BOUND
+
+
+def chunk_exact(**kw):
+    """The chunk kernels in the exact per-pair regime (no gate bound: C = 16)."""
+    return chunk_rwkv7_triton(**kw)
+
+
+def chunk_centred(**kw):
+    """The chunk kernels in the centred tensor-core regime (the RWKV7 layer's bound: C = 64)."""
+    return chunk_rwkv7_triton(**kw, gate_lower_bound=LB)
+
+
+OPS = {"chunk_exact": chunk_exact, "chunk_centred": chunk_centred, "fused_recurrent": fused_recurrent_rwkv7_triton}
+
+
+def _run(op, inputs, scale, cu_seqlens=None, with_dht=True, seed=7, **kw):
+    """Forward + backward of op; returns (o, final_state, {name: grad})."""
+    o, ht = op(**inputs, scale=scale, output_final_state=True, cu_seqlens=cu_seqlens, **kw)
+    do = random_like(o, seed)
+    dht = random_like(ht, seed + 1) if with_dht else None
+    leaves = grad_leaves(inputs)
+    grads = torch.autograd.grad(loss_of(o, ht, do, dht), list(leaves.values()), allow_unused=True)
+    return o, ht, dict(zip(leaves, grads))
+
+
+def check_against_naive(op, inputs, scale=1.0, cu_seqlens=None, with_dht=True, ratio=None, **kw):
+    """o, the final state and every gradient of op against naive_rwkv7 in float64; all finite."""
+    dtype = inputs["r"].dtype
+    ratio = ratio or RATIO[dtype]
+    o, ht, grads = _run(op, inputs, scale, cu_seqlens, with_dht, **kw)
+    ref_inputs = to_reference(inputs)
+    ro, rht, rgrads = _run(naive_rwkv7, ref_inputs, scale, cu_seqlens, with_dht)
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    assert_close("o", ro, o, ratio)
+    assert_close("final_state", rht, ht, ratio)
+    assert set(grads) == set(rgrads)
+    for name, grad in grads.items():
+        assert grad is not None, f"d{name} was not produced"
+        assert_finite(f"d{name}", grad)
+        assert_close(f"d{name}", rgrads[name], grad, ratio, atol=_atol(name, ref_inputs, rgrads, dtype))
+    return o, ht, grads
+
+
+def _atol(name, ref_inputs, rgrads, dtype):
+    """Absolute floor. dw comes from identity I2, a reverse sum of r dr + a da - k dk - b db whose terms
+    cancel exactly when the gates underflow, so its rounding floor is relative to max|k dk|."""
+    if name != "w":
+        return 1e-6
+    terms = (ref_inputs["k"] * rgrads["k"]).abs().max().item()
+    return (1e-5 if dtype == torch.float32 else 1e-4) * terms
+
+
+def rwkv7_inputs(B=1, T=40, H=1, K=16, V=16, dtype=torch.float32, **kw):
+    return make_rwkv7_inputs(B, T, H, K, V, dtype=dtype, device=DEVICE, requires_grad=True, **kw)
+
+
+@pytest.fixture(params=list(OPS))
+def op(request):
+    return OPS[request.param]
+
+
+# ------------------------------------------------------------------------------------ basics
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_distribution(op, dtype):
+    """The layer's gates, a = -kappa_hat, b = kappa_hat * alpha, partial last chunk, scale != 1."""
+    check_against_naive(op, rwkv7_inputs(B=2, T=37, dtype=dtype), scale=0.5)
+
+
+def test_public_ops_dispatch_to_triton():
+    """chunk_rwkv7 / fused_recurrent_rwkv7 with backend='triton' run these kernels."""
+    inputs = rwkv7_inputs(T=20)
+    for public in (chunk_rwkv7, fused_recurrent_rwkv7):
+        check_against_naive(public, inputs, backend="triton")
+    check_against_naive(chunk_rwkv7, inputs, backend="triton", gate_lower_bound=LB)
+
+
+# ------------------------------------------------------------------------------------ hazards
+
+@pytest.mark.parametrize("decay", ["zero", "half_zero"])
+def test_zero_decay(op, decay):
+    """Hazard 2: w == 0 (decay 1) everywhere or on half the entries: no 0*inf, long-range sums."""
+    check_against_naive(op, rwkv7_inputs(T=70, decay=decay))
+
+
+@pytest.mark.parametrize("T", [1, 15, 63, 65, 130])
+def test_partial_chunks_strong_gates(T):
+    """Hazard 3: T not a multiple of the chunk size, with w = -50, so that a padding row loaded with
+    gate 0 instead of a select would overflow in the backward contractions (exact regime: -50 is far
+    outside any usable bound)."""
+    check_against_naive(chunk_exact, rwkv7_inputs(T=T, decay=-50.0))
+    if T <= 65:
+        check_against_naive(fused_recurrent_rwkv7_triton, rwkv7_inputs(T=T, decay=-50.0))
+
+
+@pytest.mark.parametrize("T", [1, 63, 65, 130])
+def test_partial_chunks_centred(T):
+    """Hazard 3 in the centred regime (C = 64) with the gate at the bound."""
+    check_against_naive(chunk_centred, rwkv7_inputs(T=T, decay=LB))
+
+
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 64), (32, 256), (60, 100)])
+def test_initial_state_k_ne_v(K, V):
+    """Hazard 5 (the K != V state-tile failure): random h0 and its gradient, several (K, V)."""
+    check_against_naive(chunk_centred, rwkv7_inputs(T=20, K=K, V=V))
+    check_against_naive(fused_recurrent_rwkv7_triton, rwkv7_inputs(T=9, K=K, V=V))
+
+
+def test_initial_state_k_ne_v_exact():
+    """Hazard 5 in the exact regime."""
+    check_against_naive(chunk_exact, rwkv7_inputs(T=20, K=60, V=100))
+
+
+@pytest.mark.parametrize("with_dht", [True, False])
+def test_state_gradients(op, with_dht):
+    """Hazards 6 and 7: a random final-state gradient, and dh0 with and without it."""
+    check_against_naive(op, rwkv7_inputs(B=2, T=30), with_dht=with_dht)
+
+
+def test_zero_initial_state_gets_gradient(op):
+    """Hazard 7: h0 = 0 that requires grad still receives its gradient."""
+    inputs = rwkv7_inputs(T=20)
+    with torch.no_grad():
+        inputs["initial_state"].zero_()
+    _, _, grads = check_against_naive(op, inputs)
+    assert grads["initial_state"].abs().max() > 0
+
+
+def test_no_initial_state(op):
+    check_against_naive(op, rwkv7_inputs(T=20, initial_state=False))
+
+
+@pytest.mark.parametrize("name", ["chunk_exact", "chunk_centred", "fused_recurrent"])
+def test_varlen(name):
+    """Hazard 9: lengths {1, 15, 64, 65, 30} packed into one batch, per-sequence h0 and final states."""
+    lengths = [1, 15, 64, 65, 30] if name != "chunk_exact" else [1, 15, 17, 33]
+    cu = make_cu_seqlens(lengths, device=DEVICE)
+    inputs = varlen_state(rwkv7_inputs(T=sum(lengths)), len(lengths))
+    check_against_naive(OPS[name], inputs, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("bound,chunk", [(LB, 64), (-2.0, 64), (-3.0, 32), (-6.0, 16), (-10.0, None)])
+def test_chunk_size_from_bound(bound, chunk):
+    """Hazard 10/11: the chunk size of the centred regime is the largest whose factors stay within fp32
+    headroom, |lb| (C/2 + 1) log2 e <= 124; past that (lb = -10) no centred chunk exists."""
+    assert centred_chunk_size(bound) == chunk
+    assert centred_chunk_size(None) is None
+    for c in (16, 32, 64):
+        if chunk is not None and c <= chunk:
+            assert abs(bound) * (c / 2 + 1) / math.log(2) <= 124
+
+
+@pytest.mark.parametrize("bound", [-3.0, -6.0, -10.0])
+def test_chunk_size_invariance(bound):
+    """Hazard 10: C = 32, 16 (centred) and the exact fallback give the fp64 result, gates at the bound."""
+    inputs = rwkv7_inputs(T=40, decay=bound)
+    check_against_naive(chunk_rwkv7_triton, inputs, gate_lower_bound=bound)
+
+
+def test_untrusted_bound_falls_back():
+    """Hazard 11: a bound that the gates break (w = -5 with a claimed -0.6065, value checks off) must not
+    overflow the centred factors: each chunk checks its own gates and falls back to the exact path."""
+    inputs = rwkv7_inputs(T=70, decay=-5.0)
+    with torch.no_grad():  # one chunk respects the claim, the other breaks it
+        inputs["w"][:, :64].fill_(LB)
+    check_against_naive(chunk_centred, inputs)
+
+
+def test_bound_past_headroom_uses_exact_regime():
+    """Hazard 11: lb = -10 fails the headroom rule at every chunk size, so the exact regime runs."""
+    check_against_naive(chunk_rwkv7_triton, rwkv7_inputs(T=20, decay=-10.0), gate_lower_bound=-10.0)
+
+
+@pytest.mark.parametrize("alpha", ["random", "near_one", "one"])
+def test_wy_inverse_accuracy(alpha):
+    """Hazard 12: ||Tm (I - M^ab) - I|| < 1e-4 in fp32 for C = 64, ||a|| = 1, alpha -> 1 and alpha = 1."""
+    C, K = 64, 32
+    gen = torch.Generator().manual_seed(3)
+    a, b = rwkv7_a_b(gen, (4, C, K), "delta")  # b = kappa_hat: alpha = 1
+    if alpha == "random":
+        b = b * torch.rand(4, C, K, generator=gen, dtype=torch.float64)
+    elif alpha == "near_one":
+        b = b * (1 - 1e-3 * torch.rand(4, C, K, generator=gen, dtype=torch.float64))
+    w = LB * torch.rand(4, C, K, generator=gen, dtype=torch.float64)
+    G = w.cumsum(1)
+    Gb = G - w
+    M = torch.einsum("ntk,njk->ntj", a * Gb.exp(), b * (-G).exp()).tril(-1)  # M^ab in fp64
+    Tm = unit_lower_inverse_triton(M.float().to(DEVICE)).double().cpu()
+    eye = torch.eye(C, dtype=torch.float64)
+    err = (Tm @ (eye - M) - eye).abs().max().item()
+    assert err < 1e-4, f"inverse residual {err:.2e}"
+
+
+def test_reduces_to_gla_when_b_is_zero(op):
+    """Hazard 13: b = 0 gives inclusive gated linear attention, checked against its closed form."""
+    inputs = rwkv7_inputs(T=40, H=2, ab="zero_b", initial_state=False)
+    o, _ = op(**inputs, scale=0.5, output_final_state=False)
+    r, w, k, v = (inputs[n].detach().double().cpu() for n in ("r", "w", "k", "v"))
+    G = w.cumsum(1)  # [B, T, H, K]
+    decay = (G[:, :, None] - G[:, None, :]).clamp(max=0).exp()  # [B, t, j, H, K]
+    att = torch.einsum("bthk,bjhk,btjhk->bhtj", r * 0.5, k, decay).tril()
+    closed = torch.einsum("bhtj,bjhv->bthv", att, v)
+    assert_close("o", closed, o, 5e-3)
+
+
+def test_delta_rule_when_decay_is_one(op):
+    """Hazard 13: w = 0, a = -kappa_hat, b = kappa_hat is the delta rule with beta = 1:
+    S_t = (I - kappa kappa^T) S_{t-1} + k v^T, a projection of the old state."""
+    inputs = rwkv7_inputs(T=30, decay="zero", ab="delta")
+    o, ht = op(**inputs, scale=1.0, output_final_state=True)
+    r, k, v, b = (inputs[n].detach().double().cpu()[0, :, 0] for n in ("r", "k", "v", "b"))
+    S = inputs["initial_state"].detach().double().cpu()[0, 0]
+    outs = []
+    for t in range(r.shape[0]):
+        kap = b[t]
+        S = S - torch.outer(kap, kap @ S) + torch.outer(k[t], v[t])
+        outs.append(S.T @ r[t])
+    assert_close("o", torch.stack(outs), o[0, :, 0], 5e-3)
+    assert_close("final_state", S, ht[0, 0], 5e-3)
+
+
+@pytest.mark.parametrize("K,V", [(60, 100), (8, 12), (20, 16)])
+def test_head_dims(op, K, V):
+    """Hazard 16: non-power-of-two head dims and K < 16 (pad-to-16 masks)."""
+    check_against_naive(op, rwkv7_inputs(T=20, K=K, V=V))
+
+
+def test_deterministic_backward(op):
+    """Hazard 17: no atomics; two runs give bitwise-equal outputs and gradients."""
+    inputs = rwkv7_inputs(T=40, H=2)
+    first = _run(op, inputs, 1.0)
+    second = _run(op, inputs, 1.0)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for name in first[2]:
+        assert torch.equal(first[2][name], second[2][name]), f"d{name} differs between runs"
+
+
+def test_cached_intermediates_match_recompute():
+    """cache_intermediates=True keeps the forward's per-chunk products: bitwise the same gradients."""
+    inputs = rwkv7_inputs(T=70)
+    for bound in (None, LB):
+        recompute = _run(chunk_rwkv7_triton, inputs, 1.0, gate_lower_bound=bound)
+        cached = _run(chunk_rwkv7_triton, inputs, 1.0, gate_lower_bound=bound, cache_intermediates=True)
+        for name in recompute[2]:
+            assert torch.equal(recompute[2][name], cached[2][name]), f"d{name} differs with caching"
+
+
+def test_rejects_float64():
+    inputs = rwkv7_inputs(T=4, dtype=torch.float64)
+    for fn in (chunk_rwkv7_triton, fused_recurrent_rwkv7_triton):
+        with pytest.raises(TypeError, match="float64"):
+            fn(**inputs)
+
+
+# ------------------------------------------------------------------------------------ known failures
+
+def test_failure3_rwkv7_nan_outputs_rejected_inputs_and_finite_bf16():
+    """known-failures.md 3 (all-NaN RWKV7 outputs in bf16): the op rejects a positive log-decay and a
+    head-first layout with a clear error, and layer-like bf16 inputs give finite outputs and gradients
+    that match fp64, in both Triton ops."""
+    inputs = rwkv7_inputs(T=40, H=2, dtype=torch.bfloat16)
+    bad_w = {**inputs, "w": inputs["w"].detach().abs() + 0.1}  # log(w) of a positive w: positive log-decay
+    for public in (chunk_rwkv7, fused_recurrent_rwkv7):
+        with pytest.raises(ValueError, match="w"):
+            public(**bad_w, backend="triton")
+        head_first = {n: (x.detach().transpose(1, 2) if n != "initial_state" else x) for n, x in inputs.items()}
+        with pytest.raises(ValueError, match="head"):
+            public(**head_first, backend="triton")
+    for fn in (chunk_centred, chunk_exact, fused_recurrent_rwkv7_triton):
+        check_against_naive(fn, inputs)
+
+
+def test_failure5_inputs_not_modified_and_chunk_agrees_with_recurrent():
+    """known-failures.md 5 (chunked and recurrent disagreeing because one path modified w in place):
+    no kernel modifies its inputs in the forward or the backward, and chunk and recurrent agree with
+    each other and with fp64, state gradients included."""
+    inputs = rwkv7_inputs(T=70, H=2)
+    before = {n: x.detach().clone() for n, x in inputs.items()}
+    results = {}
+    for name, fn in OPS.items():
+        results[name] = check_against_naive(fn, inputs)
+        for n, x in inputs.items():
+            assert torch.equal(x.detach(), before[n]), f"{name} modified {n}"
+    ref = results["fused_recurrent"]
+    for name in ("chunk_exact", "chunk_centred"):
+        assert_close("o", ref[0], results[name][0], 5e-3)
+        assert_close("final_state", ref[1], results[name][1], 5e-3)
+        for g in ref[2]:
+            assert_close(f"d{g}", ref[2][g], results[name][2][g], 5e-3, atol=1e-5)
+
+
+def test_value_checks_off_still_safe():
+    """With value checks off the public op cannot reject a broken bound; the kernel's own per-chunk
+    check still keeps the result exact."""
+    inputs = rwkv7_inputs(T=40, decay=-5.0)
+    checks.set_value_checks(False)
+    try:
+        check_against_naive(chunk_rwkv7, inputs, backend="triton", gate_lower_bound=LB)
+    finally:
+        checks.set_value_checks(True)
+
+
+# ------------------------------------------------------------------------------------ GPU only
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_long_sequence_gate_at_bound(dtype):
+    """Hazard 8/11 on the GPU: T = 4096 with w at the bound over the whole sequence (centred C = 64)."""
+    inputs = rwkv7_inputs(B=1, T=4096, H=2, K=64, V=64, dtype=dtype, decay=LB)
+    check_against_naive(chunk_centred, inputs, ratio=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_per_head_gates_stride():
+    """The #1085 stride bug: H = 4 heads with different constant gates; every head must match fp64."""
+    inputs = rwkv7_inputs(B=2, T=300, H=4, K=64, V=64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for h, g in enumerate((LB, -0.01, -0.3, 0.0)):
+            inputs["w"][:, :, h].fill_(g)
+    check_against_naive(chunk_centred, inputs, ratio=1e-2)
+    check_against_naive(chunk_exact, inputs, ratio=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,K,V", [(2, 1000, 4, 64, 64), (1, 2048, 2, 128, 128), (2, 333, 3, 100, 60)])
+def test_gpu_realistic_shapes_bf16(B, T, H, K, V):
+    inputs = rwkv7_inputs(B=B, T=T, H=H, K=K, V=V, dtype=torch.bfloat16)
+    for fn in (chunk_centred, chunk_exact, fused_recurrent_rwkv7_triton):
+        check_against_naive(fn, inputs, ratio=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_against_fused_recurrent():
+    """Chunk (both regimes) against the fused recurrent kernel, fp32, with varlen and states."""
+    lengths = [1, 100, 1000, 64, 2000]
+    cu = make_cu_seqlens(lengths, device=DEVICE)
+    inputs = varlen_state(rwkv7_inputs(T=sum(lengths), H=3, K=64, V=64), len(lengths))
+    ref = _run(fused_recurrent_rwkv7_triton, inputs, 1.0, cu)
+    for fn in (chunk_centred, chunk_exact):
+        out = _run(fn, inputs, 1.0, cu)
+        assert_close("o", ref[0], out[0], 5e-3)
+        assert_close("final_state", ref[1], out[1], 5e-3)
+        for g in ref[2]:
+            assert_close(f"d{g}", ref[2][g], out[2][g], 5e-3, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_against_naive():
+    lengths = [1, 15, 64, 65, 1000]
+    cu = make_cu_seqlens(lengths, device=DEVICE)
+    inputs = varlen_state(rwkv7_inputs(T=sum(lengths), H=2, K=64, V=64, dtype=torch.bfloat16), len(lengths))
+    for fn in OPS.values():
+        check_against_naive(fn, inputs, cu_seqlens=cu, ratio=1e-2)

@@ -1,0 +1,31 @@
+"""Small model arguments shared by the model tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flame.config.job import Model
+from flame.models import build_model
+
+FAMILIES = ("rwkv6", "rwkv7", "gsa")
+
+
+def tiny_args(family: str, **overrides) -> Model:
+    """A model small enough for CPU tests: C = 64, 3 layers, 4 RWKV heads of 16 / 2 GSA heads."""
+    fields = dict(
+        family=family, vocab_size=97, hidden_size=64, num_layers=3, head_dim=16, num_heads=2,
+        num_slots=8, backend="torch",
+    )
+    fields.update(overrides)
+    return Model(**fields)
+
+
+def build_seeded(args: Model, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model(args)
+
+
+def with_fields(args: Model, **changes) -> Model:
+    return dataclasses.replace(args, **changes)

@@ -1,0 +1,88 @@
+"""Every config in configs/ loads, builds on the meta device, and has the parameter count of an
+analytic formula written out here from the config numbers (independently of flame.models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flame.config import load_config
+from flame.models import build_model
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+
+# Official RWKV7 LoRA ranks (decay, a, v, gate) by width: kernels.md 4.2 item 9 table, plus C = 128
+# (2.5*sqrt(128)/32 = 0.88 -> 1, 1.7*sqrt(128)/32 = 0.60 -> 1, 5*sqrt(128)/32 = 1.77 -> 2).
+RWKV7_RANKS = {128: (32, 32, 32, 64), 1024: (64, 64, 64, 160), 2048: (128, 128, 64, 224)}
+RWKV6_FFN = {1024: 3584, 2048: 7168}  # 3.5 C rounded down to 32
+GSA_FFN = {1024: 2816, 2048: 5632}  # 8/3 C rounded up to 256
+
+
+def rwkv7_count(m) -> int:
+    C, L, V = m.hidden_size, m.num_layers, m.vocab_size
+    Dw, Da, Dv, Dg = RWKV7_RANKS[C]
+    F = m.ffn_hidden_size or 4 * C
+    attention = 4 * C * C + 6 * C + (C + 2 * C * Dw) + (C + 2 * C * Da) + 2 * C * Dg + 3 * C + 2 * C
+    value_residual = C + 2 * C * Dv  # layers 1..L-1 only
+    ffn = C + 2 * C * F
+    return 2 * V * C + 2 * C + 2 * C + L * (4 * C + attention + ffn) + (L - 1) * value_residual
+
+
+def rwkv6_count(m) -> int:
+    C, L, V = m.hidden_size, m.num_layers, m.vocab_size
+    F = m.ffn_hidden_size or RWKV6_FFN[C]
+    rank_mix, rank_decay = m.mix_low_rank_dim, m.decay_low_rank_dim or 64
+    attention = 5 * C * C + 6 * C + 2 * 5 * rank_mix * C + C + 2 * C * rank_decay + C + 2 * C
+    ffn = 2 * C + 2 * C * F + C * C
+    return 2 * V * C + 2 * C + 2 * C + L * (4 * C + attention + ffn)
+
+
+def gsa_count(m) -> int:
+    C, L, V = m.hidden_size, m.num_layers, m.vocab_size
+    heads, kv_heads, M = m.num_heads, m.num_kv_heads or m.num_heads, m.num_slots
+    d = C // heads
+    F = m.ffn_hidden_size or GSA_FFN[C]
+    attention = C * heads * d + 2 * C * kv_heads * d + C * kv_heads * M + heads * d + heads * d * C
+    return 2 * V * C + C + L * (2 * C + attention + 3 * C * F)
+
+
+COUNTS = {"rwkv7": rwkv7_count, "rwkv6": rwkv6_count, "gsa": gsa_count}
+
+
+def test_every_expected_config_exists():
+    names = {p.stem for p in CONFIGS}
+    expected = {"tiny"} | {f"{f}_{s}" for f in ("rwkv6", "rwkv7", "gsa") for s in ("340M", "1B")}
+    assert expected <= names, f"missing configs: {sorted(expected - names)}"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_builds_on_meta_with_analytic_param_count(path):
+    cfg = load_config(["--config", str(path)])
+    m = cfg.model
+    with torch.device("meta"):
+        model = build_model(m)
+    assert all(p.is_meta for p in model.parameters())
+    expected = COUNTS[m.family](m)
+    assert model.num_params() == expected, f"{path.name}: {model.num_params():,} != analytic {expected:,}"
+    assert model.num_params(exclude_embeddings=True) == expected - m.vocab_size * m.hidden_size
+
+
+def test_config_sizes_match_the_issue():
+    for path in CONFIGS:
+        cfg = load_config(["--config", str(path)])
+        m, t = cfg.model, cfg.training
+        if path.stem == "tiny":
+            assert m.family == "rwkv7" and m.vocab_size == 8192 and cfg.data.dataset == "embedded"
+            assert 1e6 <= COUNTS["rwkv7"](m) <= 1e7, "tiny should have a few million parameters"
+            assert cfg.job.dump_folder == "outputs/tiny" and t.device == "auto"
+            continue
+        family, size = path.stem.split("_")
+        assert m.family == family and m.vocab_size == 32000 and t.seq_len == 2048 and m.num_layers == 24
+        assert m.hidden_size == {"340M": 1024, "1B": 2048}[size]
+        if family == "gsa":
+            assert (m.num_heads, m.num_slots) == (4, 64)
+        else:
+            assert m.head_dim == 64
+        assert t.mixed_precision_param == "bfloat16" and t.max_norm == 1.0 and cfg.metrics.log_freq == 10

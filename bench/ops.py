@@ -87,6 +87,83 @@ register(BenchOp(
 
 
 # ------------------------------------------------------------------------------------------------
+# RWKV7
+
+RWKV7_LOG_DECAY_BOUND = -0.6065306597126334  # the RWKV7 layer's log-decay lies in (bound, 0]
+
+
+def _rwkv7_inputs(dtype, device, B, T, H, K, V):
+    """The layer's distributions: w = bound * sigmoid(randn), a = -kappa_hat, b = kappa_hat * alpha."""
+    def leaf(x):
+        return x.to(dtype).requires_grad_(True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    kappa = F.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
+    alpha = torch.sigmoid(torch.randn(B, T, H, K, device=device, generator=gen))
+    return {
+        "r": leaf(torch.randn(B, T, H, K, device=device, generator=gen)),
+        "w": leaf(RWKV7_LOG_DECAY_BOUND * torch.sigmoid(torch.randn(B, T, H, K, device=device, generator=gen))),
+        "k": leaf(torch.randn(B, T, H, K, device=device, generator=gen) * K ** -0.5),
+        "v": leaf(torch.randn(B, T, H, V, device=device, generator=gen)),
+        "a": leaf(-kappa),
+        "b": leaf(kappa * alpha),
+    }
+
+
+def _rwkv7_args(x):
+    return x["r"], x["w"], x["k"], x["v"], x["a"], x["b"]
+
+
+def _flame_chunk_rwkv7(x):
+    from flame.ops.rwkv7.chunk import chunk_rwkv7
+    return chunk_rwkv7(*_rwkv7_args(x), scale=1.0, backend="triton", gate_lower_bound=RWKV7_LOG_DECAY_BOUND)[0]
+
+
+def _fla_chunk_rwkv7():
+    fn = _fla("fla.ops.rwkv7", "chunk_rwkv7")
+    return None if fn is None else (
+        lambda x: fn(*_rwkv7_args(x), scale=1.0, lower_bound=RWKV7_LOG_DECAY_BOUND)[0])
+
+
+def _flame_chunk_rwkv7_exact(x):
+    from flame.ops.rwkv7.chunk import chunk_rwkv7
+    return chunk_rwkv7(*_rwkv7_args(x), scale=1.0, backend="triton")[0]
+
+
+def _fla_chunk_rwkv7_exact():
+    fn = _fla("fla.ops.rwkv7", "chunk_rwkv7")
+    return None if fn is None else (lambda x: fn(*_rwkv7_args(x), scale=1.0)[0])
+
+
+def _flame_fused_recurrent_rwkv7(x):
+    from flame.ops.rwkv7.fused_recurrent import fused_recurrent_rwkv7
+    return fused_recurrent_rwkv7(*_rwkv7_args(x), scale=1.0, backend="triton")[0]
+
+
+RWKV7_SHAPES = (dict(B=8, T=2048, H=16, K=64, V=64), dict(B=2, T=8192, H=16, K=64, V=64))
+
+register(BenchOp(  # the layer's path: the centred tensor-core regime licensed by the gate bound (C = 64)
+    name="chunk_rwkv7",
+    shapes=RWKV7_SHAPES,
+    make_inputs=_rwkv7_inputs,
+    flame=_flame_chunk_rwkv7,
+    fla=_fla_chunk_rwkv7,
+))
+register(BenchOp(  # no bound: exact per-pair exponents (C = 16) on both sides
+    name="chunk_rwkv7_exact",
+    shapes=RWKV7_SHAPES[:1],
+    make_inputs=_rwkv7_inputs,
+    flame=_flame_chunk_rwkv7_exact,
+    fla=_fla_chunk_rwkv7_exact,
+))
+register(BenchOp(  # fla's fused recurrent RWKV7 has no backward: flame only
+    name="fused_recurrent_rwkv7",
+    shapes=(dict(B=8, T=512, H=16, K=64, V=64),),
+    make_inputs=_rwkv7_inputs,
+    flame=_flame_fused_recurrent_rwkv7,
+))
+
+
+# ------------------------------------------------------------------------------------------------
 
 def _time(fn: Callable[[dict], torch.Tensor], inputs: dict) -> tuple[float, float]:
     from triton.testing import do_bench

@@ -169,7 +169,7 @@ def _intra_centred_bwd(q, k, a, b, G, Gb, dMqk, dMqb, dMak, dMab, BT: tl.constex
 
 @triton.jit
 def _load_chunk(q, w, k, a, b, cu_seqlens, chunk_info, i_c, i_h, scale,
-                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                H, K, BT: tl.constexpr, BK: tl.constexpr):
     """Locate chunk i_c, load its q (scaled), w, k, a, b as fp32 [BT, BK] and build the cumsums."""
     i_n = tl.load(chunk_info + 2 * i_c)
     i_t = tl.load(chunk_info + 2 * i_c + 1)
@@ -196,7 +196,7 @@ def _load_chunk(q, w, k, a, b, cu_seqlens, chunk_info, i_c, i_h, scale,
 def _prepare_kernel(
     q, w, k, v, a, b, cu_seqlens, chunk_info, scale, lower_bound,
     qh, kt, bt, Wm, U, Mqk, Mqb, Gm, Tm, Mak, gL,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, QK_BF16: tl.constexpr, PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
@@ -251,7 +251,7 @@ def _prepare_kernel(
 @triton.jit
 def _state_kernel(
     v, Wm, U, kt, bt, gL, h0, hs, ht, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
@@ -294,7 +294,7 @@ def _state_kernel(
 @triton.jit
 def _output_kernel(
     v, qh, Wm, U, Mqk, Mqb, hs, o, cu_seqlens, chunk_info, NV,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
@@ -335,7 +335,7 @@ def _output_kernel(
 @triton.jit
 def _dstate_kernel(
     do, qh, Wm, bt, Mqb, gL, dht, dhs, dh0, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
@@ -383,7 +383,7 @@ def _backward_kernel(
     q, w, k, v, a, b, do, cu_seqlens, chunk_info, scale, lower_bound,
     Wm, U, Mqk, Mqb, Gm, Tm, Mak, hs, dhs,
     dq, dw, dk, dv, da, db,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CENTRED: tl.constexpr, PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)

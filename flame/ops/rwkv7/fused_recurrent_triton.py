@@ -26,7 +26,7 @@ CKPT = 16  # tokens between stored states in the forward; the backward replays o
 @triton.jit
 def _fused_recurrent_fwd_kernel(
     r, w, k, v, a, b, o, h0, ht, hckpt, cu_seqlens, ckpt_offsets, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K, V, BK: tl.constexpr, BV: tl.constexpr,
     CK: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CKPT: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
@@ -75,7 +75,7 @@ def _fused_recurrent_fwd_kernel(
 def _fused_recurrent_bwd_kernel(
     r, w, k, v, a, b, do, dht, hckpt, scratch, cu_seqlens, ckpt_offsets,
     dr, dw, dk, dv, da, db, dh0, scale, NV, total_tokens,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K, V, BK: tl.constexpr, BV: tl.constexpr,
     CK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
 ):
     i_nh = tl.program_id(0)

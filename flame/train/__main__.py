@@ -1,4 +1,4 @@
-"""Entry point of `python -m flame.train` and the `flame-train` console script."""
+"""Entry point of `python -m flame.train` and of the `flame-train` console script."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
     from flame.config import ConfigError, load_config
     from flame.train.trainer import Trainer
 
@@ -14,7 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"flame-train: config error: {err}", file=sys.stderr)
         return 2
-    Trainer(cfg).train()
+    try:
+        Trainer(cfg).train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

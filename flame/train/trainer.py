@@ -1,9 +1,10 @@
-"""The flame trainer: config in, trained model, metrics and checkpoints out.
+"""The flame trainer: config in; trained model, metrics and checkpoints out.
 
-`Trainer(cfg).train()` reads like the story of a run: set up the process, build tokenizer, data,
+`Trainer(cfg).train()` reads like the story of a run: set up the processes, build tokenizer, data,
 model, optimizer, LR schedule and checkpointer, resume if there is something to resume, then step.
-One optimizer step = `gradient_accumulation_steps` micro-batches; its objective is the token-mean
-cross-entropy over every valid token of the step (see `flame.train.loss`).
+One optimizer step = `gradient_accumulation_steps` micro-batches on each data-parallel rank; its
+objective is the token-mean cross-entropy over every valid token of the step, on all ranks (see
+`flame.train.loss`).
 """
 
 from __future__ import annotations
@@ -13,29 +14,32 @@ import math
 import pickle
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from flame.train.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState
-from flame.train.loss import count_valid_tokens, micro_batch_loss
+from flame.train.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum, micro_batch_loss
 from flame.train.lr_schedule import build_lr_scheduler
-from flame.train.metrics import MetricsLogger, format_duration
+from flame.train.metrics import MetricsLogger
 from flame.train.optimizer import build_optimizer
+from flame.train.parallel import ParallelState, parallelize, setup_parallel
 
 logger = logging.getLogger("flame.train")
 
 
 @dataclass
 class TrainState:
-    """Counters that a checkpoint carries across a restart."""
+    """Counters that a checkpoint carries across a restart (identical on every rank)."""
 
     step: int = 0
     """Optimizer steps taken (skipped non-finite steps included)."""
     tokens: int = 0
-    """Valid tokens seen over all ranks."""
+    """Valid tokens trained on, over all ranks."""
     nan_skips: int = 0
     """Non-finite steps skipped in total."""
     consecutive_nan_skips: int = 0
@@ -61,28 +65,27 @@ class NonFiniteTrainingError(RuntimeError):
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("training.device = 'cuda' but no CUDA device is available")
     if name not in ("cpu", "cuda"):
         raise ValueError(f"training.device must be 'auto', 'cuda' or 'cpu', got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("training.device = 'cuda' but no CUDA device is available")
     return torch.device(name)
 
 
 def setup_logging(rank: int = 0) -> None:
-    """Console logging for the trainer: rank 0 at INFO, other ranks only warnings."""
+    """Console logging: rank 0 at INFO, other ranks only warnings (prefixed with their rank)."""
     flame_logger = logging.getLogger("flame")
-    if flame_logger.handlers:
-        return
-    handler = logging.StreamHandler(sys.stdout)
-    prefix = f"[rank{rank}] " if rank else ""
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
-    flame_logger.addHandler(handler)
+    if not flame_logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        prefix = f"[rank{rank}] " if rank else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
+        flame_logger.addHandler(handler)
+        flame_logger.propagate = False
     flame_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    flame_logger.propagate = False
 
 
 def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
-    """Name of the first parameter whose (local) gradient holds a NaN or Inf."""
+    """Name of the first parameter whose gradient (this rank's shard) holds a NaN or Inf."""
     for name, param in model.named_parameters():
         grad = param.grad
         if grad is None:
@@ -93,65 +96,95 @@ def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
     return None
 
 
+@contextmanager
+def op_value_checks_off():
+    """Switch off the ops' value checks (a device sync each, and an exception on a NaN decay)
+    while training: the trainer's own finite check, once per step, handles non-finite values."""
+    from flame.ops.checks import set_value_checks, value_checks_enabled
+
+    previous = value_checks_enabled()
+    set_value_checks(False)
+    try:
+        yield
+    finally:
+        set_value_checks(previous)
+
+
 class Trainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg, *, dataloader=None):
+        """`dataloader`: an already built training loader (else built from cfg.data)."""
         from flame.config import to_toml
         from flame.data import load_tokenizer
 
         self.cfg = cfg
         training = cfg.training
 
-        # 1. the process: device, rank, seed, dump folder
-        self.device = resolve_device(training.device)
-        self.rank, self.world_size = 0, 1
-        self.dp_rank, self.dp_world_size = 0, 1
+        # 1. the processes: device, ranks and mesh, seed, dump folder
+        self.parallel: ParallelState = setup_parallel(cfg, resolve_device(training.device))
+        self.device = self.parallel.device
+        self.rank = self.parallel.rank
         setup_logging(self.rank)
-        torch.manual_seed(cfg.job.seed)
+        self.seed_everything()
         self.dump_folder = Path(cfg.job.dump_folder)
         if self.rank == 0:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(cfg))
-        logger.info("job %s: dump folder %s, device %s", cfg.job.name, self.dump_folder, self.device)
+        logger.info("job %s: dump folder %s, %d process(es) on %s", cfg.job.name,
+                    self.dump_folder, self.parallel.world_size, self.device)
 
         # 2. tokenizer and data
-        logger.info("data: loading tokenizer and dataset %s ...", cfg.data.dataset)
+        logger.info("data: loading the tokenizer and %s data ...", cfg.data.dataset)
+        start = time.monotonic()
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.tokenizer.check_vocab_size(cfg.model.vocab_size)
-        self.dataloader = self.build_dataloader("train")
+        self.dataloader = dataloader if dataloader is not None else self.build_dataloader("train")
         self.batches = iter(self.dataloader)
+        self.batches_consumed = 0
+        self.val_loader = None
+        logger.info("data: ready in %.1fs", time.monotonic() - start)
 
-        # 3. model: built on the meta device, then materialised and initialised
+        # 3. model: built on the meta device, parallelised, materialised, initialised
         self.model = self.build_model()
-        num_params = sum(p.numel() for p in self.model.parameters())
-        logger.info("model: %s, %.2fM parameters", cfg.model.family, num_params / 1e6)
         self.l2wrap = None
         if cfg.model.family == "rwkv7" and cfg.model.l2wrap:
             from flame.models import l2wrap
 
             self.l2wrap = l2wrap
 
-        # 4. optimizer, LR schedule, checkpoints
+        # 4. optimizer, LR schedule, checkpoints (and a resume when there is one)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, cfg.lr_scheduler, training.steps, cfg.optimizer.lr
         )
         self.checkpointer = CheckpointManager(cfg.checkpoint, str(self.dump_folder))
-        self.state = TrainState(dp_world_size=self.dp_world_size)
-        self.batches_consumed = 0
+        self.state = TrainState(dp_world_size=self.parallel.dp_world_size)
         self.resume()
 
-        # 5. metrics
+        # 5. metrics (a resumed run continues its wandb run)
         self.metrics = MetricsLogger(
             str(self.dump_folder), cfg.metrics, enabled=self.rank == 0, run_name=cfg.job.name,
             config_dict=asdict(cfg), wandb_run_id=self.state.wandb_run_id or None,
         )
-        if self.metrics.wandb_run_id:
-            self.state.wandb_run_id = self.metrics.wandb_run_id
+        self.state.wandb_run_id = self.broadcast_object(self.metrics.wandb_run_id or "")
+        self.flops_per_token, self.peak_flops = self.flops_budget()
 
     # ---- building ------------------------------------------------------------------------
 
+    def seed_everything(self) -> None:
+        seed = self.cfg.job.seed
+        if self.parallel.distributed:
+            from torchtitan.config import DebugConfig
+            from torchtitan.distributed.utils import set_determinism
+
+            set_determinism(self.parallel.parallel_dims, self.device,
+                            DebugConfig(seed=seed, deterministic=self.cfg.job.deterministic), [])
+        else:
+            torch.manual_seed(seed)
+            if self.cfg.job.deterministic:
+                torch.use_deterministic_algorithms(True)
+
     def build_dataloader(self, split: str):
-        """This rank's loader of the "train" or the held-out "validation" split."""
+        """This rank's loader of the "train" split or of the held-out "validation" split."""
         from flame.data import build_dataloader
 
         cfg = self.cfg
@@ -164,27 +197,48 @@ class Trainer:
             streaming=cfg.data.streaming,
             val_fraction=cfg.data.val_fraction,
             num_workers=cfg.data.num_workers,
+            sources=cfg.data.sources,
+            probs=cfg.data.probs,
+            context_len=cfg.data.context_len,
+            shard_dir=cfg.data.shard_dir,
+            allow_dp_resplit=cfg.data.allow_dp_resplit,
             varlen=cfg.training.varlen,
             tokenizer=self.tokenizer,
             batch_size=cfg.training.batch_size,
             seq_len=cfg.training.seq_len,
             split=split,
             seed=cfg.job.seed,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
+            dp_rank=self.parallel.dp_rank,
+            dp_world_size=self.parallel.dp_world_size,
         )
 
     def build_model(self) -> torch.nn.Module:
         from flame.models import build_model
 
+        logger.info("model: building %s on the meta device ...", self.cfg.model.family)
+        start = time.monotonic()
         with torch.device("meta"):
             model = build_model(self.cfg.model)
+        model = parallelize(model, self.cfg, self.parallel)
         model.to_empty(device=self.device)
-        torch.manual_seed(self.cfg.job.seed)
+        torch.manual_seed(self.cfg.job.seed)  # the same full init on every rank and any sharding
         with torch.no_grad():
             model.init_weights()
         model.train()
+        num_params = sum(p.numel() for p in model.parameters())
+        logger.info("model: %s, %.2fM parameters, ready in %.1fs", self.cfg.model.family,
+                    num_params / 1e6, time.monotonic() - start)
         return model
+
+    def flops_budget(self) -> tuple[int, float]:
+        """(training FLOPs per token, peak FLOP/s of one device; 0 when unknown, e.g. on CPU)."""
+        flops = int(self.model.num_flops_per_token(self.cfg.training.seq_len))
+        peak = 0.0
+        if self.device.type == "cuda":
+            from torchtitan.tools.utils import get_peak_flops
+
+            peak = get_peak_flops(torch.cuda.get_device_name(self.device))
+        return flops, peak
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -195,40 +249,41 @@ class Trainer:
         last_step = total_steps if stop_at_step is None else min(stop_at_step, total_steps)
         log_freq = max(1, cfg.metrics.log_freq)
         logger.info(
-            "training: steps %d, batch %d x GA %d x DP %d, seq_len %d",
-            total_steps, cfg.training.batch_size, cfg.training.gradient_accumulation_steps,
-            self.dp_world_size, cfg.training.seq_len,
+            "training: steps %d -> %d, batch %d x GA %d x DP %d, seq_len %d",
+            self.state.step, total_steps, cfg.training.batch_size,
+            cfg.training.gradient_accumulation_steps, self.parallel.dp_world_size,
+            cfg.training.seq_len,
         )
-        window_start, window_tokens, window_loss, window_steps = time.perf_counter(), 0, 0.0, 0
+        window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
         try:
             while self.state.step < last_step:
                 result = self.train_step(self.next_micro_batches())
                 window_tokens += result.valid_tokens
                 window_steps += 1
-                if not result.skipped:
-                    window_loss = result.loss
                 step = self.state.step
                 if step % log_freq == 0 or step == total_steps or result.skipped:
                     elapsed = time.perf_counter() - window_start
-                    self.log_step(result, window_tokens, elapsed, window_steps, total_steps)
+                    self.log_step(result, window_tokens, elapsed, window_steps)
                     window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+                if cfg.metrics.val_freq > 0 and step % cfg.metrics.val_freq == 0:
+                    self.log_validation()
                 if self.checkpointer.should_save(step, total_steps):
                     self.save_checkpoint()
             self.checkpointer.wait()
         finally:
             self.metrics.close()
-        logger.info("training done: %d steps, %d tokens, %d skipped steps",
+        logger.info("training: done at step %d, %d tokens, %d skipped step(s)",
                     self.state.step, self.state.tokens, self.state.nan_skips)
         return self.state
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
-        """The micro-batches of the next optimizer step (restarting the data at its end)."""
+        """This rank's micro-batches of the next step (a new pass starts at the data's end)."""
         micro_batches = []
         for _ in range(self.cfg.training.gradient_accumulation_steps):
             try:
                 batch = next(self.batches)
             except StopIteration:
-                logger.info("data: end of the dataset, starting a new pass")
+                logger.info("data: end of the training data, starting a new pass")
                 self.batches = iter(self.dataloader)
                 batch = next(self.batches)
             micro_batches.append(batch)
@@ -236,45 +291,50 @@ class Trainer:
         return micro_batches
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
-        """Accumulate the gradients of the step objective; returns (this rank's loss share, the
-        step's valid-token count over all ranks).
+        """Accumulate the gradients of the step objective.
 
-        The normaliser, the valid tokens of the whole step over all micro-batches and ranks, is
-        counted before the first forward, so every micro-batch divides its CE sum by it.
+        Returns (this rank's share of the step loss, as a device tensor; the step's valid-token
+        count over all micro-batches and ranks). That count is known before the first forward, so
+        each micro-batch divides its CE sum by it.
         """
-        valid_tokens = self.all_reduce_count(count_valid_tokens(micro_batches))
+        valid_tokens = self.parallel.all_reduce_count(count_valid_tokens(micro_batches))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in micro_batches:
-            input_ids = batch["input_ids"].to(self.device, non_blocking=True)
-            labels = batch["labels"].to(self.device, non_blocking=True)
-            cu_seqlens = batch.get("cu_seqlens")
-            if cu_seqlens is not None:
-                cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)
-            logits = self.model(input_ids, cu_seqlens=cu_seqlens)
+            logits, labels = self.forward(batch)
             loss = micro_batch_loss(logits, labels, max(valid_tokens, 1), self.l2wrap)
             loss.backward()
             loss_sum += loss.detach()
             del logits, loss
         return loss_sum, valid_tokens
 
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = batch["input_ids"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        cu_seqlens = batch.get("cu_seqlens")
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)
+        return self.model(input_ids, cu_seqlens=cu_seqlens), labels
+
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
-        """One optimizer step over `micro_batches` (this rank's share of the global batch)."""
-        loss_sum, valid_tokens = self.forward_backward(micro_batches)
+        """One optimizer step over `micro_batches`, this rank's share of the global batch."""
+        with op_value_checks_off():
+            loss_sum, valid_tokens = self.forward_backward(micro_batches)
         max_norm = self.cfg.training.max_norm
         grad_norm = self.clip_grad_norm(max_norm if max_norm > 0 else math.inf)
-        loss_global = self.all_reduce_sum(loss_sum)
-        # the one host sync of the step: both numbers for logging and the finite check
+        loss_global = self.parallel.all_reduce_sum(loss_sum)
+        # the one host sync of the step: both numbers serve the logs and the finite check, and
+        # both are global (all-reduced), so every rank takes the same decision
         loss_value, norm_value = torch.stack([loss_global, grad_norm.float()]).tolist()
 
         lr = self.current_lr()
         self.state.step += 1
         finite = math.isfinite(loss_value) and math.isfinite(norm_value) and valid_tokens > 0
+        culprit = None
         if finite:
             self.optimizer.step()
             self.lr_scheduler.step()
             self.state.consecutive_nan_skips = 0
             self.state.tokens += valid_tokens
-            culprit = None
         else:
             culprit = first_nonfinite_grad(self.model)
             self.state.nan_skips += 1
@@ -285,38 +345,88 @@ class Trainer:
             self.handle_nonfinite(result)
         return result
 
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip to `max_norm` by the global norm over all shards; returns the norm before."""
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return clip_grad_norm_(params, max_norm, foreach=True)
+
+    # ---- non-finite steps ----------------------------------------------------------------
+
     def handle_nonfinite(self, result: StepResult) -> None:
         first = self.batches_consumed - self.cfg.training.gradient_accumulation_steps
         logger.warning(
-            "step %d: non-finite loss %s / grad norm %s; update skipped (%d in a row, %d total); "
-            "data micro-batches [%d, %d) of rank %d; first non-finite gradient: %s",
+            "step %d: non-finite loss %s / grad norm %s, update skipped (%d in a row, %d in "
+            "total); data: micro-batches [%d, %d) of dp rank %d; first non-finite gradient on "
+            "rank %d: %s",
             self.state.step, result.loss, result.grad_norm, self.state.consecutive_nan_skips,
-            self.state.nan_skips, first, self.batches_consumed, self.rank,
-            result.first_nonfinite_param or "none on this rank",
+            self.state.nan_skips, first, self.batches_consumed, self.parallel.dp_rank, self.rank,
+            result.first_nonfinite_param or "none",
         )
         limit = self.cfg.training.max_consecutive_nan_steps
-        if self.state.consecutive_nan_skips >= limit:
-            raise NonFiniteTrainingError(
-                f"{self.state.consecutive_nan_skips} consecutive steps had a non-finite loss or "
-                f"gradient (training.max_consecutive_nan_steps = {limit}); stopping at step "
-                f"{self.state.step}. The last good checkpoint is left intact in "
-                f"{self.checkpointer.folder}."
-            )
-
-    # ---- distributed reductions (single process: identities) ------------------------------
-
-    def all_reduce_count(self, count: int) -> int:
-        return count
-
-    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        return value
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        from torchtitan.distributed.utils import clip_grad_norm_
-
-        return clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None], max_norm, foreach=True
+        if self.state.consecutive_nan_skips < limit:
+            return
+        message = (
+            f"{self.state.consecutive_nan_skips} consecutive steps had a non-finite loss or "
+            f"gradient (training.max_consecutive_nan_steps = {limit}), at step {self.state.step}"
         )
+        if not self.cfg.training.nan_recovery:
+            raise NonFiniteTrainingError(
+                f"{message}. Stopping; the last good checkpoint in {self.checkpointer.folder} is "
+                f"intact (set training.nan_recovery = true to reload it and skip this data)."
+            )
+        self.recover_from_nonfinite(message)
+
+    def recover_from_nonfinite(self, message: str) -> None:
+        """Reload the last good checkpoint but keep the data position: the bad window is skipped."""
+        self.checkpointer.wait()
+        step = self.checkpointer.resume_step()
+        if step is None:
+            raise NonFiniteTrainingError(f"{message}; no checkpoint to recover from")
+        skips = self.state.nan_skips
+        data_state = self.dataloader.state_dict() if hasattr(self.dataloader, "state_dict") else None
+        consumed = self.batches_consumed
+        self.load_full_checkpoint(self.checkpointer.step_dir(step))
+        if data_state is not None:
+            self.dataloader.load_state_dict(data_state)
+            self.batches = iter(self.dataloader)
+        self.batches_consumed = consumed
+        self.state.nan_skips = skips
+        self.state.consecutive_nan_skips = 0
+        logger.warning("%s; recovered: reloaded step %d, training continues after the data that "
+                       "caused it (micro-batch %d)", message, step, consumed)
+
+    # ---- validation ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """Token-mean CE over `metrics.val_steps` micro-batches per rank of the held-out split."""
+        if self.val_loader is None:
+            self.val_loader = self.build_dataloader("validation")
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        batches = iter(self.val_loader)
+        for _ in range(self.cfg.metrics.val_steps):
+            try:
+                batch = next(batches)
+            except StopIteration:  # a small split: go round again, every rank the same count
+                batches = iter(self.val_loader)
+                batch = next(batches)
+            with op_value_checks_off():
+                logits, labels = self.forward(batch)
+            totals[0] += cross_entropy_sum(logits, labels).double()
+            totals[1] += (labels != IGNORE_INDEX).sum()
+        self.model.train()
+        ce_sum, count = self.parallel.all_reduce_sum(totals).tolist()
+        return ce_sum / max(count, 1.0)
+
+    def log_validation(self) -> None:
+        start = time.monotonic()
+        val_loss = self.validation_loss()
+        logger.info("step %6d | validation loss %.4f (%.1fs)", self.state.step, val_loss,
+                    time.monotonic() - start)
+        self.metrics.log({"step": self.state.step, "val_loss": val_loss}, console=False)
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -325,8 +435,9 @@ class Trainer:
         return group["lr"] / group.get("lr_multiplier", 1.0)
 
     def log_step(self, result: StepResult, window_tokens: int, elapsed: float,
-                 window_steps: int, total_steps: int) -> None:
+                 window_steps: int) -> None:
         tokens_per_s = window_tokens / max(elapsed, 1e-9)
+        per_device = tokens_per_s / self.parallel.world_size
         step_time = elapsed / max(window_steps, 1)
         record: dict[str, Any] = {
             "step": self.state.step,
@@ -335,20 +446,31 @@ class Trainer:
             "grad_norm": result.grad_norm,
             "tokens": self.state.tokens,
             "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "tokens_per_s_per_device": per_device,
             "step_time_s": step_time,
-            "eta_s": step_time * (total_steps - self.state.step),
+            "eta_s": step_time * (self.cfg.training.steps - self.state.step),
             "nan_skips": self.state.nan_skips,
         }
+        if self.peak_flops > 0:
+            record["mfu"] = self.flops_per_token * per_device / self.peak_flops
         if result.skipped:
             record["skipped"] = True
         if self.device.type == "cuda":
             record["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.metrics.log(record)
 
+    def broadcast_object(self, value):
+        """Rank 0's value of a small picklable object, on every rank."""
+        if not self.parallel.distributed or self.parallel.world_size == 1:
+            return value
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
     # ---- checkpoints ---------------------------------------------------------------------
 
     def checkpoint_state(self, model_only: bool = False) -> dict[str, Any]:
+        """The objects a checkpoint holds; DCP reads or fills them in place."""
         state: dict[str, Any] = {"model": ModelState(self.model)}
         if model_only:
             return state
@@ -357,10 +479,10 @@ class Trainer:
         state["optimizer"] = OptimizerState(self.model, self.optimizer)
         state["train_state"] = train_state
         rank_state = {
-            "dataloader": self.dataloader.state_dict(),
+            "dataloader": self.dataloader.state_dict() if hasattr(self.dataloader, "state_dict") else None,
             "batches_consumed": self.batches_consumed,
             "rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
         }
         state[f"rank_{self.rank}"] = pickle.dumps(rank_state)
         return state
@@ -369,7 +491,7 @@ class Trainer:
         self.checkpointer.save(self.state.step, self.checkpoint_state())
 
     def resume(self) -> None:
-        """Resume from the latest complete checkpoint, or start from initial_load_path."""
+        """Resume from the latest complete checkpoint (or load_step); else initial_load_path."""
         ckpt = self.cfg.checkpoint
         step = self.checkpointer.resume_step() if ckpt.enable or ckpt.load_step >= 0 else None
         if step is not None:
@@ -377,38 +499,47 @@ class Trainer:
         elif ckpt.initial_load_path:
             if ckpt.initial_load_model_only:
                 self.checkpointer.load(ckpt.initial_load_path, self.checkpoint_state(model_only=True))
-                logger.info("initialised the model from %s (model only)", ckpt.initial_load_path)
+                logger.info("model: weights loaded from %s (model only, a new run)",
+                            ckpt.initial_load_path)
             else:
                 self.load_full_checkpoint(Path(ckpt.initial_load_path))
 
     def load_full_checkpoint(self, path: Path) -> None:
-        state = self.checkpoint_state()
-        # peek at the run's data-parallel size first, so a mismatch gets a clear refusal
+        # read the run's data-parallel size first, so that a mismatch gets a clear refusal
         header = {"train_state": {"dp_world_size": 0}}
         self.checkpointer.load(path, header)
         saved_dp = header["train_state"]["dp_world_size"]
-        if saved_dp != self.dp_world_size:
+        if saved_dp != self.parallel.dp_world_size:
             raise CheckpointError(
                 f"checkpoint {path} was written with data-parallel size {saved_dp}, this run has "
-                f"{self.dp_world_size}: the data position and optimizer shards cannot be resumed. "
-                f"Start a new run from its weights with checkpoint.initial_load_path={path} and "
-                f"checkpoint.initial_load_model_only=true."
+                f"{self.parallel.dp_world_size}: its data position and optimizer state cannot be "
+                f"resumed. Start a new run from its weights instead, with "
+                f"checkpoint.initial_load_path = \"{path}\" and "
+                f"checkpoint.initial_load_model_only = true."
             )
+        state = self.checkpoint_state()
         self.checkpointer.load(path, state)
         train_state = dict(state["train_state"])
         last_epoch = train_state.pop("lr_scheduler_last_epoch")
         self.state = TrainState(**train_state)
-        self.lr_scheduler.last_epoch = last_epoch
-        self.lr_scheduler._step_count = last_epoch + 1
-        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_lr()):
-            group["lr"] = lr
-        self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.set_lr_schedule_position(last_epoch)
         rank_state = pickle.loads(state[f"rank_{self.rank}"])
-        self.dataloader.load_state_dict(rank_state["dataloader"])
-        self.batches = iter(self.dataloader)
+        if rank_state["dataloader"] is not None:
+            self.dataloader.load_state_dict(rank_state["dataloader"])
+            self.batches = iter(self.dataloader)
         self.batches_consumed = rank_state["batches_consumed"]
         torch.set_rng_state(rank_state["rng"])
         if rank_state["cuda_rng"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rank_state["cuda_rng"])
-        logger.info("resumed from %s at step %d (%d tokens seen)", path, self.state.step,
+            torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
+        logger.info("resumed from %s: step %d, %d tokens seen", path, self.state.step,
                     self.state.tokens)
+
+    def set_lr_schedule_position(self, last_epoch: int) -> None:
+        """Put the LR schedule at `last_epoch` updates and set every group's LR accordingly."""
+        scheduler = self.lr_scheduler
+        scheduler.last_epoch = last_epoch
+        scheduler._step_count = last_epoch + 1
+        lrs = [base * fn(last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs

@@ -1,0 +1,171 @@
+"""Process setup and model parallelisation: torch.distributed, the device mesh, FSDP2, AC, compile.
+
+- Under torchrun (WORLD_SIZE set) every rank joins one process group: NCCL for CUDA tensors plus
+  gloo for CPU tensors on GPUs, gloo alone on CPUs. A single CUDA process without torchrun joins a
+  one-rank group of its own, so that FSDP's mixed precision runs exactly as on N GPUs. A single
+  CPU process runs without torch.distributed.
+- torchtitan's ParallelDims builds the mesh: data_parallel_shard_degree is FSDP, adding
+  data_parallel_replicate_degree gives HSDP, replicate alone is DDP-style replication.
+- `parallelize` applies, in this order, activation checkpointing (torchtitan's FullAC /
+  SelectiveAC), per-block torch.compile, and `fully_shard` per block and at the root with the
+  MixedPrecisionPolicy of the config and FSDP's own gradient averaging turned off: the loss is
+  already normalised by the global valid-token count, so gradients are summed, not averaged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger("flame.train")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ParallelState:
+    """Where this process sits: device, global rank and data-parallel rank."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    dp_rank: int = 0
+    dp_world_size: int = 1
+    parallel_dims: object | None = None  # torchtitan ParallelDims when distributed
+
+    @property
+    def distributed(self) -> bool:
+        return self.parallel_dims is not None
+
+    def all_reduce_count(self, count: int) -> int:
+        """Sum an integer over all ranks, on the host (gloo): no device sync."""
+        if not self.distributed or self.world_size == 1:
+            return count
+        t = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(t)
+        return int(t.item())
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a device tensor over all ranks (stays on the device, no host sync)."""
+        if not self.distributed or self.world_size == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value)
+        return value
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_parallel(cfg, device: torch.device) -> ParallelState:
+    """Join the process group (when there is one to join) and build the device mesh."""
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if not launched and device.type != "cuda":
+        return ParallelState(device=device)
+    if not launched:  # one CUDA process without torchrun: a one-rank group of its own
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+
+    # size-1 mesh axes use the "fake" backend, which this import registers
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    import torchtitan.distributed.parallel_dims as titan_parallel_dims
+
+    titan_parallel_dims.device_type = device.type  # torchtitan assumes CUDA otherwise
+    par = cfg.parallel
+    try:
+        parallel_dims = titan_parallel_dims.ParallelDims(
+            dp_replicate=par.data_parallel_replicate_degree,
+            dp_shard=par.data_parallel_shard_degree,
+            cp=1, tp=1, pp=1, ep=1, world_size=world_size, spmd_backend="partial_dtensor",
+        )
+    except AssertionError as err:
+        raise ValueError(
+            f"parallel: data_parallel_replicate_degree ({par.data_parallel_replicate_degree}) x "
+            f"data_parallel_shard_degree ({par.data_parallel_shard_degree}) must equal the "
+            f"number of processes ({world_size}); -1 as the shard degree fills the rest"
+        ) from err
+    parallel_dims.build_mesh()
+    batch_mesh = parallel_dims.get_optional_mesh("batch")
+    dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+    dp_world_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    return ParallelState(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
+                         dp_rank=dp_rank, dp_world_size=dp_world_size,
+                         parallel_dims=parallel_dims)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Wrap each block of `model.layers` for recomputation in the backward ("full"/"selective")."""
+    if mode == "none":
+        return
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    if mode == "full":
+        FullAC(FullAC.Config()).apply(model)
+    elif mode == "selective":
+        SelectiveAC(SelectiveAC.Config(force_recompute_mm_shapes_by_fqns=[])).apply(model)
+    else:
+        raise ValueError(
+            f"training.activation_checkpoint must be 'none', 'full' or 'selective', got {mode!r}"
+        )
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block (the repeated unit compiles once and is reused)."""
+    for index, block in enumerate(model.layers):
+        block.compile()
+    logger.info("compile: %d blocks wrapped with torch.compile", len(model.layers))
+
+
+def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_dtype: str) -> None:
+    """fully_shard each block and the root over the data-parallel mesh; gradients are summed."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dims = state.parallel_dims
+    names = ("dp_replicate", "fsdp") if dims.dp_replicate > 1 else ("fsdp",)
+    mesh = dims.get_optional_mesh(list(names)) if len(names) > 1 else dims.get_optional_mesh("fsdp")
+    if state.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    else:  # CPU (gloo, CI): full fp32, the exact reference
+        mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    blocks = list(model.layers)
+    for index, block in enumerate(blocks):
+        # the last block's parameters are needed again at once by the root: keep them gathered
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=index < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    # the step objective is already divided by the global token count: sum, do not average
+    model.set_gradient_divide_factor(1.0)
+    logger.info("fsdp: %s mesh %s, params %s, reduce %s", "HSDP" if len(names) > 1 else "FSDP",
+                dict(zip(names, mesh.shape)), mp.param_dtype, mp.reduce_dtype)
+
+
+def parallelize(model: nn.Module, cfg, state: ParallelState) -> nn.Module:
+    """Activation checkpointing, compile and FSDP, as configured, on a (meta-device) model."""
+    apply_activation_checkpointing(model, cfg.training.activation_checkpoint)
+    if cfg.training.compile:
+        apply_compile(model)
+    if state.distributed:
+        apply_fsdp(model, state, cfg.training.mixed_precision_param,
+                   cfg.training.mixed_precision_reduce)
+    return model

@@ -1,0 +1,90 @@
+"""Non-finite steps: skipped on every rank, parameters and optimizer state untouched, counted."""
+
+import math
+
+import pytest
+import torch
+
+from flame.train.trainer import NonFiniteTrainingError, Trainer
+from tests.train.helpers import params, random_batches, split_rows, tiny_config
+
+
+def batches(seed):
+    input_ids, labels = random_batches(2, 16, seed=seed)
+    return split_rows(input_ids, labels, 2)
+
+
+def optimizer_state(trainer):
+    return {
+        (g, i, k): v.clone() if torch.is_tensor(v) else v
+        for g, group in enumerate(trainer.optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        for k, v in trainer.optimizer.state[p].items()
+    }
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        if torch.is_tensor(a[key]):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    cfg = tiny_config(tmp_path, training={"steps": 10, "max_consecutive_nan_steps": 3})
+    return Trainer(cfg, dataloader=())  # the tests feed their own micro-batches
+
+
+def test_nan_in_the_batch_skips_the_step(trainer):
+    trainer.train_step(batches(0))  # one good step, so the optimizer has state
+    before_params, before_opt = params(trainer.model), optimizer_state(trainer)
+    lr_epoch = trainer.lr_scheduler.last_epoch
+
+    # a NaN in the embedded batch, as a corrupt input would produce
+    hook = trainer.model.embeddings.register_forward_hook(lambda m, i, out: out * math.nan)
+    result = trainer.train_step(batches(1))
+    hook.remove()
+
+    assert result.skipped and math.isnan(result.loss)
+    assert result.first_nonfinite_param is not None
+    assert_same(params(trainer.model), before_params)
+    assert_same(optimizer_state(trainer), before_opt)
+    assert trainer.lr_scheduler.last_epoch == lr_epoch  # the schedule does not advance
+    assert all(p.grad is None for p in trainer.model.parameters())  # gradients zeroed
+    assert (trainer.state.nan_skips, trainer.state.consecutive_nan_skips) == (1, 1)
+
+    # training continues, and the streak counter resets
+    result = trainer.train_step(batches(2))
+    assert not result.skipped and math.isfinite(result.loss)
+    assert trainer.lr_scheduler.last_epoch == lr_epoch + 1
+    assert (trainer.state.nan_skips, trainer.state.consecutive_nan_skips) == (1, 0)
+    assert trainer.state.step == 3
+
+
+def test_inf_in_one_gradient_skips_the_step_and_names_the_parameter(trainer):
+    trainer.train_step(batches(0))
+    before_params, before_opt = params(trainer.model), optimizer_state(trainer)
+    name, param = list(trainer.model.named_parameters())[-1]
+    hook = param.register_hook(lambda g: torch.full_like(g, math.inf))
+    result = trainer.train_step(batches(1))
+    hook.remove()
+
+    assert result.skipped and math.isfinite(result.loss) and not math.isfinite(result.grad_norm)
+    assert result.first_nonfinite_param == name
+    assert_same(params(trainer.model), before_params)
+    assert_same(optimizer_state(trainer), before_opt)
+    assert trainer.state.nan_skips == 1
+    assert not trainer.train_step(batches(2)).skipped
+
+
+def test_too_many_consecutive_nan_steps_stop_the_run(trainer):
+    hook = trainer.model.embeddings.register_forward_hook(lambda m, i, out: out * math.nan)
+    trainer.train_step(batches(0))
+    trainer.train_step(batches(1))
+    with pytest.raises(NonFiniteTrainingError, match="max_consecutive_nan_steps = 3"):
+        trainer.train_step(batches(2))
+    hook.remove()
+    assert trainer.state.nan_skips == 3

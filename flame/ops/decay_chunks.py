@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SUB_CHUNK = 16
+DEFAULT_CHUNK = 32
+DEFAULT_SUB_CHUNK = 8
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,12 +54,14 @@ def _masks(C: int, sub: int, inclusive: bool, device) -> tuple[torch.Tensor, tor
     return within, earlier
 
 
-def decayed_scores(x: torch.Tensor, y: torch.Tensor, gx: torch.Tensor, g: torch.Tensor, inclusive: bool,
-                   sub: int = SUB_CHUNK) -> torch.Tensor:
-    """M[t, j] = sum_i x[t,i] y[j,i] exp(gx[t,i] - g[j,i]) for j <= t (inclusive) or j < t, else 0.
+def decayed_scores(x: torch.Tensor, gx: torch.Tensor, g: torch.Tensor, ys: tuple[torch.Tensor, ...],
+                   inclusive: bool, sub: int = DEFAULT_SUB_CHUNK) -> list[torch.Tensor]:
+    """For each y of ys: M[t, j] = sum_i x[t,i] y[j,i] exp(gx[t,i] - g[j,i]) for j <= t (inclusive)
+    or j < t, else 0.
 
-    x, y, gx, g: [..., C, K] (leading dims broadcast); g is the inclusive chunk-local cumsum of the log-decay and gx is g
-    (inclusive queries) or the exclusive cumsum (exclusive queries). Returns [..., C, C].
+    x, gx, g and every y: [..., C, K]; g is the inclusive chunk-local cumsum of the log-decay and gx
+    is g (inclusive queries) or the exclusive cumsum (exclusive queries). The query-side factors
+    are shared by all ys. Returns one [..., C, C] per y.
     """
     C = x.shape[-2]
     sub = min(sub, C)
@@ -66,27 +69,29 @@ def decayed_scores(x: torch.Tensor, y: torch.Tensor, gx: torch.Tensor, g: torch.
         raise ValueError(f"chunk size {C} must be a multiple of the sub-chunk size {sub}")
     NS = C // sub
     within, earlier = _masks(C, sub, inclusive, x.device)
-    xs, ys, gxs, gs = (_split(t, sub) for t in (x, y, gx, g))
+    xs, gxs, gs = (_split(t, sub) for t in (x, gx, g))
+    lead = x.shape[:-2]
 
     # pairs inside one sub-chunk: the exact exponent, masked before exp()
-    expo = gxs[..., :, None, :] - gs[..., None, :, :]                        # [..., NS, S, S, K]
-    expo = torch.where(within[:, :, None], expo, float("-inf"))
-    diag = (xs[..., :, None, :] * ys[..., None, :, :] * torch.exp(expo)).sum(-1)  # [..., NS, S, S]
-
+    expo = torch.where(within[:, :, None], gxs[..., :, None, :] - gs[..., None, :, :], float("-inf"))
+    x_pair = xs[..., :, None, :] * torch.exp(expo)                           # [..., NS, S, S, K]
     # pairs across sub-chunks: reference = cumsum just before the query sub-chunk
     ref = _references(g, sub)                                                 # [..., NS, K]
-    xq = xs * torch.exp(gxs - ref[..., :, None, :])                           # [..., NS, S, K]
-    expo_k = torch.where(earlier[:, :, None], ref[..., :, None, :] - g[..., None, :, :], float("-inf"))
-    yk = y[..., None, :, :] * torch.exp(expo_k)                               # [..., NS, C, K]
-    off = xq @ yk.transpose(-1, -2)                                           # [..., NS, S, C]
-    off = off.reshape(*off.shape[:-3], NS, sub, NS, sub)
-
+    x_ref = xs * torch.exp(gxs - ref[..., :, None, :])                        # [..., NS, S, K]
+    key_to_ref = torch.exp(torch.where(earlier[:, :, None], ref[..., :, None, :] - g[..., None, :, :],
+                                       float("-inf")))                        # [..., NS, C, K]
     same_block = torch.eye(NS, dtype=torch.bool, device=x.device)[:, None, :, None]
-    full = torch.where(same_block, diag[..., :, :, None, :], off)
-    return full.reshape(*full.shape[:-4], C, C)
+
+    scores = []
+    for y in ys:
+        diag = torch.einsum("...tjk,...jk->...tj", x_pair, _split(y, sub))     # [..., NS, S, S]
+        off = x_ref @ (y[..., None, :, :] * key_to_ref).transpose(-1, -2)     # [..., NS, S, C]
+        off = off.reshape(*lead, NS, sub, NS, sub)
+        scores.append(torch.where(same_block, diag[..., :, :, None, :], off).reshape(*lead, C, C))
+    return scores
 
 
-def decayed_mix(A: torch.Tensor, y: torch.Tensor, g: torch.Tensor, sub: int = SUB_CHUNK) -> torch.Tensor:
+def decayed_mix(A: torch.Tensor, y: torch.Tensor, g: torch.Tensor, sub: int = DEFAULT_SUB_CHUNK) -> torch.Tensor:
     """out[t, m] = sum_{j <= t} A[t, j] y[j, m] exp(g[t, m] - g[j, m]): a value-side gated product.
 
     A: [..., C, C], finite (entries above the diagonal are ignored); y, g: [..., C, M], g the inclusive

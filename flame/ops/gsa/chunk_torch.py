@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..decay_chunks import compute_dtype, decayed_mix, decayed_scores, from_chunks, to_chunks
+from ..decay_chunks import DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_mix, decayed_scores, from_chunks, to_chunks
 
 
-def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size):
+def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size, sub_chunk):
     """One batch of equal-length sequences with HQ == H; hk [B,H,K,M], hv [B,H,M,V] in the compute dtype."""
     dt = hk.dtype
     T = q.shape[1]
@@ -34,7 +34,7 @@ def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size):
 
     # pass K: keys -> slot scores
     A_qk = torch.where(causal, qc @ kc.transpose(-1, -2), 0.0)
-    z = decayed_mix(A_qk, sc_, G)
+    z = decayed_mix(A_qk, sc_, G, sub=sub_chunk)
     hk_in = []
     for n in range(qc.shape[2]):
         hk_in.append(hk)
@@ -45,7 +45,7 @@ def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size):
     p = torch.softmax(z, dim=-1)
 
     # pass V: slots -> values
-    A_ps = decayed_scores(p, sc_, G, G, inclusive=True)
+    (A_ps,) = decayed_scores(p, G, G, (sc_,), inclusive=True, sub=sub_chunk)
     hv_in = []
     for n in range(qc.shape[2]):
         hv_in.append(hv)
@@ -55,7 +55,7 @@ def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size):
 
 
 def chunk_gsa_torch(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    chunk_size=64):
+                    chunk_size=DEFAULT_CHUNK, sub_chunk=DEFAULT_SUB_CHUNK):
     """Chunked GSA (same arguments as chunk_gsa, inputs already validated).
 
     Returns (o [B,T,HQ,V] in q's dtype, (hk, hv) in fp32 (fp64 for fp64 inputs) or None).
@@ -75,14 +75,14 @@ def chunk_gsa_torch(q, k, v, s, g, scale=1.0, initial_state=None, output_final_s
         hk0, hv0 = (h.repeat_interleave(group, dim=1) for h in (hk0, hv0))
 
     if cu_seqlens is None:
-        o, hk, hv = _chunk_gsa(q, k, v, s, g, scale, hk0, hv0, chunk_size)
+        o, hk, hv = _chunk_gsa(q, k, v, s, g, scale, hk0, hv0, chunk_size, sub_chunk)
     else:
         offsets = cu_seqlens.tolist()
         outs, hks, hvs = [], [], []
         for n in range(N):
             seq = slice(offsets[n], offsets[n + 1])
             o_n, hk_n, hv_n = _chunk_gsa(q[:, seq], k[:, seq], v[:, seq], s[:, seq], g[:, seq], scale,
-                                         hk0[n:n + 1], hv0[n:n + 1], chunk_size)
+                                         hk0[n:n + 1], hv0[n:n + 1], chunk_size, sub_chunk)
             outs.append(o_n)
             hks.append(hk_n)
             hvs.append(hv_n)

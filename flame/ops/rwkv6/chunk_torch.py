@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ..decay_chunks import compute_dtype, decayed_scores, from_chunks, to_chunks
+from ..decay_chunks import DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_scores, from_chunks, to_chunks
 
 
-def _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size):
+def _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size, sub_chunk):
     """One batch of equal-length sequences; state [B,H,K,V] in the compute dtype (never None)."""
     dt = state.dtype
     T = r.shape[1]
@@ -26,7 +26,7 @@ def _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size):
     Gx = G - wc
     G_last = G[..., -1:, :]                                                        # [B,H,NC,1,K]
 
-    A = decayed_scores(rc, kc, Gx, G, inclusive=False)                            # [B,H,NC,C,C]
+    (A,) = decayed_scores(rc, Gx, G, (kc,), inclusive=False, sub=sub_chunk)                          # [B,H,NC,C,C]
     bonus = (rc * u.to(dt)[None, :, None, None, :] * kc).sum(-1, keepdim=True)    # [B,H,NC,C,1]
     o = A @ vc + bonus * vc
 
@@ -42,7 +42,7 @@ def _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size):
 
 
 def chunk_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                      chunk_size=64):
+                      chunk_size=DEFAULT_CHUNK, sub_chunk=DEFAULT_SUB_CHUNK):
     """Chunked RWKV6 (same arguments as chunk_rwkv6, inputs already validated).
 
     Returns (o in r's dtype, final state [N,H,K,V] in fp32 (fp64 for fp64 inputs) or None).
@@ -53,7 +53,7 @@ def chunk_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, output_final
     V = v.shape[-1]
     if cu_seqlens is None:
         h0 = r.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-        o, final = _chunk_rwkv6(r, k, v, w, u, scale, h0, chunk_size)
+        o, final = _chunk_rwkv6(r, k, v, w, u, scale, h0, chunk_size, sub_chunk)
     else:
         offsets = cu_seqlens.tolist()
         N = len(offsets) - 1
@@ -61,7 +61,7 @@ def chunk_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, output_final
         outs, finals = [], []
         for n in range(N):
             seq = slice(offsets[n], offsets[n + 1])
-            o_n, h_n = _chunk_rwkv6(r[:, seq], k[:, seq], v[:, seq], w[:, seq], u, scale, h0[n:n + 1], chunk_size)
+            o_n, h_n = _chunk_rwkv6(r[:, seq], k[:, seq], v[:, seq], w[:, seq], u, scale, h0[n:n + 1], chunk_size, sub_chunk)
             outs.append(o_n)
             finals.append(h_n)
         o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..decay_chunks import compute_dtype, decayed_scores, from_chunks, to_chunks
+from ..decay_chunks import DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_scores, from_chunks, to_chunks
 
 
-def _chunk_rwkv7(r, w, k, v, a, b, scale, state, chunk_size):
+def _chunk_rwkv7(r, w, k, v, a, b, scale, state, chunk_size, sub_chunk):
     """One batch of equal-length sequences; state [B,H,K,V] in the compute dtype (never None)."""
     dt = state.dtype
     T = r.shape[1]
@@ -29,13 +29,8 @@ def _chunk_rwkv7(r, w, k, v, a, b, scale, state, chunk_size):
     Gx = G - wc
     G_last = G[..., -1:, :]
 
-    # the two inclusive and the two strict products share their query side: one call each
-    M_q = decayed_scores(rc[..., None, :, :], torch.stack([kc, bc], dim=-3), G[..., None, :, :],
-                         G[..., None, :, :], inclusive=True)
-    M_a = decayed_scores(ac[..., None, :, :], torch.stack([kc, bc], dim=-3), Gx[..., None, :, :],
-                         G[..., None, :, :], inclusive=False)
-    M_qk, M_qb = M_q.unbind(-3)
-    M_ak, M_ab = M_a.unbind(-3)
+    M_qk, M_qb = decayed_scores(rc, G, G, (kc, bc), inclusive=True, sub=sub_chunk)
+    M_ak, M_ab = decayed_scores(ac, Gx, G, (kc, bc), inclusive=False, sub=sub_chunk)
 
     eye = torch.eye(rc.shape[-2], dtype=dt, device=rc.device)
     lower = eye - M_ab                                                                     # unit lower triangular
@@ -60,7 +55,7 @@ def _chunk_rwkv7(r, w, k, v, a, b, scale, state, chunk_size):
 
 
 def chunk_rwkv7_torch(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                      gate_lower_bound=None, chunk_size=64):
+                      gate_lower_bound=None, chunk_size=DEFAULT_CHUNK, sub_chunk=DEFAULT_SUB_CHUNK):
     """Chunked RWKV7 (same arguments as chunk_rwkv7, inputs already validated).
 
     Returns (o in r's dtype, final state [N,H,K,V] in fp32 (fp64 for fp64 inputs) or None).
@@ -71,7 +66,7 @@ def chunk_rwkv7_torch(r, w, k, v, a, b, scale=1.0, initial_state=None, output_fi
     V = v.shape[-1]
     if cu_seqlens is None:
         h0 = r.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-        o, final = _chunk_rwkv7(r, w, k, v, a, b, scale, h0, chunk_size)
+        o, final = _chunk_rwkv7(r, w, k, v, a, b, scale, h0, chunk_size, sub_chunk)
     else:
         offsets = cu_seqlens.tolist()
         N = len(offsets) - 1
@@ -80,7 +75,7 @@ def chunk_rwkv7_torch(r, w, k, v, a, b, scale=1.0, initial_state=None, output_fi
         for n in range(N):
             seq = slice(offsets[n], offsets[n + 1])
             o_n, h_n = _chunk_rwkv7(r[:, seq], w[:, seq], k[:, seq], v[:, seq], a[:, seq], b[:, seq], scale,
-                                    h0[n:n + 1], chunk_size)
+                                    h0[n:n + 1], chunk_size, sub_chunk)
             outs.append(o_n)
             finals.append(h_n)
         o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flame.data.loader import DataLoader
 from flame.data.shards import open_shards
 from flame.data.sources import DataError, load_documents
+from flame.data.streaming import StreamedDataset
 from flame.data.tokens import build_stream, split_indices, tokenize_documents
 
 
@@ -23,6 +24,8 @@ def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: st
     varlen: one row of batch_size * seq_len tokens per batch with `cu_seqlens` at document
     starts, documents cut into pieces of at most context_len (0: seq_len) tokens.
     num_workers > 1 tokenizes in that many worker processes.
+    streaming: read the documents in order as they arrive (flame.data.streaming), tokenized
+    on the fly, shuffled in a window buffer; otherwise a source is tokenized once, whole.
     shard_dir: read the pre-tokenized shards of that folder (flame.data.prepare) instead of text;
     their sources replace `dataset`/`sources` (probs still apply).
     """
@@ -33,14 +36,14 @@ def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: st
                            probs=probs, varlen=varlen, context_len=context_len,
                            allow_dp_resplit=allow_dp_resplit)
     specs = list(sources) or [dataset]
-    if streaming:
-        raise DataError("data.streaming is not supported by the training loader: it needs the "
-                        "whole split to shuffle and resume exactly; tokenize a large corpus once "
-                        "with `python -m flame.data.prepare` and train from the shards")
     streams = []
     for spec in specs:
         ds, field, description = load_documents(spec, data_files=data_files, name=name,
-                                                split=dataset_split, text_field=text_field)
+                                                split=dataset_split, streaming=streaming,
+                                                text_field=text_field)
+        if streaming:
+            streams.append(StreamedDataset(ds, field, tokenizer, description, val_fraction))
+            continue
         tokens, offsets = tokenize_documents(ds, field, tokenizer, num_workers)
         docs = split_indices(len(offsets) - 1, val_fraction, split)
         streams.append((build_stream(tokens, offsets, docs, tokenizer.eod_id),
@@ -53,6 +56,5 @@ def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: st
 
 def make_loader(streams, eod_id: int, *, probs, **kwargs) -> DataLoader:
     if probs and len(probs) != len(streams):
-        raise DataError(f"data.probs has {len(probs)} entries for {len(streams)} sources "
-                        f"({', '.join(d for _, d in streams)})")
+        raise DataError(f"data.probs has {len(probs)} entries for {len(streams)} sources")
     return DataLoader(streams, eod_id=eod_id, probs=list(probs) or None, **kwargs)

@@ -15,6 +15,8 @@ is those counters: the epoch and position of each source and the number of sampl
 
 Validation reads each source's windows once, in order, the final batch possibly short; every
 `iter()` starts from the beginning.
+
+Streamed sources (flame.data.streaming) plug in with the same window interface.
 """
 
 from __future__ import annotations
@@ -70,9 +72,18 @@ class WindowSource:
         self.position += 1
         return self.stream[start:start + self.length + 1]
 
+    def reset(self) -> None:
+        self.epoch, self.position = 0, 0
+
     def state_dict(self) -> dict:
         return {"description": self.description, "num_windows": self.num_windows,
                 "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict, old_world: int) -> None:
+        position = state["position"]
+        if old_world != self.world:  # re-split: the same fraction of the epoch
+            position = min(self.per_rank, math.ceil(position * old_world / self.world))
+        self.epoch, self.position = state["epoch"], position
 
 
 class DataLoader:
@@ -95,11 +106,15 @@ class DataLoader:
         self.allow_dp_resplit = allow_dp_resplit
         self.training = split == "train"
         length = batch_size * seq_len if varlen else seq_len
-        self.sources = [
-            WindowSource(stream, length, description, index=i, seed=seed, rank=dp_rank,
-                         world=dp_world_size, shuffle=self.training)
-            for i, (stream, description) in enumerate(streams)
-        ]
+        self.sources = []
+        for i, item in enumerate(streams):
+            if isinstance(item, tuple):  # (token stream, description)
+                self.sources.append(WindowSource(item[0], length, item[1], index=i, seed=seed,
+                                                 rank=dp_rank, world=dp_world_size,
+                                                 shuffle=self.training))
+            else:  # a streamed dataset (flame.data.streaming.StreamedDataset)
+                self.sources.append(item.open(length, index=i, seed=seed, rank=dp_rank,
+                                              world=dp_world_size, split=split))
         self.probs = normalized_probs(probs, len(self.sources))
         self.samples = 0
         self._mix_block, self._mix = None, None
@@ -152,7 +167,7 @@ class DataLoader:
         if not self.training:
             self.samples = 0
             for source in self.sources:
-                source.epoch, source.position = 0, 0
+                source.reset()
         while True:
             try:
                 batch = self.next_batch()
@@ -164,6 +179,8 @@ class DataLoader:
         """Batches in one validation pass (training loaders are infinite)."""
         if self.training:
             raise TypeError("a training DataLoader is infinite and has no len()")
+        if any(not hasattr(s, "per_rank") for s in self.sources):
+            raise TypeError("a streamed validation split has no len()")
         samples = sum(s.per_rank for s in self.sources)
         return samples if self.varlen else math.ceil(samples / self.batch_size)
 
@@ -204,11 +221,7 @@ class DataLoader:
                 "(see flame.data.loader.DataLoader.load_state_dict)"
             )
         for source, saved_source in zip(self.sources, state["sources"]):
-            source.epoch = saved_source["epoch"]
-            position = saved_source["position"]
-            if old_world != self.dp_world_size:
-                position = min(source.per_rank, math.ceil(position * old_world / self.dp_world_size))
-            source.position = position
+            source.load_state_dict(saved_source, old_world)
         self.samples = state["samples"]
 
 

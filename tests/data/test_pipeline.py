@@ -375,3 +375,21 @@ def test_streaming_missing_field(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", ["a b c"] * 20, field="body")
     with pytest.raises(DataError, match="field 'text' not found"):
         take(stream_loader(tokenizer, path), 1)
+
+
+def test_hub_path_with_a_local_dataset_folder(tmp_path, tokenizer):
+    """A name without a file extension goes through the hub branch (load_dataset(name, config,
+    split=...)); a local folder of data files answers it without any network."""
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [f"train document {i} " * 5 for i in range(30)])
+    write_jsonl(folder / "test.jsonl", [f"test document {i} " * 5 for i in range(30)])
+    for split, word in (("train", "train"), ("test", "test")):
+        loader = build_dataloader(dataset=str(folder), dataset_split=split, tokenizer=tokenizer,
+                                  batch_size=1, seq_len=8, val_fraction=0)
+        assert loader.sources[0].description == f"hub:{folder}[{split}]/train"
+        text = tokenizer.decode(loader.sources[0].stream.tolist())
+        assert f"{word} document 29" in text and ("test" in text) == (word == "test")
+    with pytest.raises(DataError, match="cannot load HF dataset"):
+        build_dataloader(dataset=str(folder), dataset_split="nope", tokenizer=tokenizer,
+                         batch_size=1, seq_len=8)

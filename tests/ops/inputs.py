@@ -28,7 +28,7 @@ import torch.nn.functional as F
 __all__ = [
     "DECAY_MODES", "RWKV7_LOG_DECAY_BOUND", "grad_leaves", "loss_of", "make_cu_seqlens", "make_gsa_inputs",
     "make_rwkv6_inputs", "make_rwkv7_inputs", "random_lengths", "random_like", "rwkv7_a_b", "split_sequences",
-    "to_reference", "varlen_state",
+    "to_reference", "varlen_state", "forward_backward", "assert_results_close", "assert_inputs_unchanged",
 ]
 
 RWKV7_LOG_DECAY_BOUND = -0.6065306597126334  # -exp(-0.5): the RWKV7 layer's log-decay lies in (bound, 0]
@@ -263,3 +263,67 @@ def loss_of(o: torch.Tensor, final_state, do: torch.Tensor, dht) -> torch.Tensor
         for h, dh in pairs:
             loss = loss + (h.double() * dh.double()).sum()
     return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# running an op forward and backward, and comparing results
+
+def forward_backward(op, inputs: dict, seed: int = 7, with_dht: bool = True, **kwargs):
+    """Run op(**inputs, output_final_state=True, **kwargs), then backward with a seeded random do
+    and (if with_dht) a seeded random final-state gradient.
+
+    Returns (o, final_state, grads) with grads a dict name -> gradient of every leaf that requires
+    grad (None where the op does not depend on it). Uses torch.autograd.grad, so no .grad field of
+    the inputs is touched.
+    """
+    o, final_state = op(**inputs, output_final_state=True, **kwargs)
+    do = random_like(o, seed)
+    dht = random_like(final_state, seed + 1) if with_dht else None
+    leaves = grad_leaves(inputs)
+    grads = torch.autograd.grad(loss_of(o, final_state, do, dht), list(leaves.values()), allow_unused=True)
+    return o, final_state, dict(zip(leaves, grads))
+
+
+def assert_results_close(ref, out, ratio: float, label: str = "", atol: float = 1e-6) -> None:
+    """Compare two forward_backward results: o, the final state(s) and every gradient, each with
+    assert_close(ratio, atol) (atol matters where the reference is ~0, e.g. dw under decays of -1e3)."""
+    from tests.ops.assertions import assert_close
+
+    (o_ref, h_ref, g_ref), (o_out, h_out, g_out) = ref, out
+    assert_close(f"{label}o", o_ref, o_out, ratio, atol)
+    if h_ref is not None:
+        pairs = zip(h_ref, h_out) if isinstance(h_ref, tuple) else [(h_ref, h_out)]
+        for i, (a, b) in enumerate(pairs):
+            assert_close(f"{label}final_state[{i}]", a, b, ratio, atol)
+    assert set(g_ref) == set(g_out), f"{label}gradients of {sorted(g_out)} != reference {sorted(g_ref)}"
+    for name in g_ref:
+        assert g_out[name] is not None, f"{label}no gradient for {name}"
+        assert_close(f"{label}d{name}", g_ref[name], g_out[name], ratio, atol)
+
+
+def assert_inputs_unchanged(op, inputs: dict, **kwargs) -> None:
+    """Known failure 5: neither the forward nor the backward of op may modify any input tensor.
+
+    Runs forward and backward (with a final-state gradient) and compares every input, bit for bit,
+    with a copy taken before. Works for any backend= passed in kwargs.
+    """
+    def snapshot():
+        copies = {}
+        for name, x in inputs.items():
+            for i, t in enumerate(x if isinstance(x, tuple) else (x,)):
+                if isinstance(t, torch.Tensor):
+                    copies[f"{name}[{i}]"] = t.detach().clone()
+        return copies
+
+    def compare(before, stage):
+        after = snapshot()
+        for name, x in before.items():
+            assert torch.equal(x, after[name]), f"{name} was modified by the {stage}"
+
+    before = snapshot()
+    o, final_state = op(**inputs, output_final_state=True, **kwargs)
+    compare(before, "forward")
+    leaves = grad_leaves(inputs)
+    loss = loss_of(o, final_state, random_like(o, 3), random_like(final_state, 4))
+    torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    compare(before, "backward")

@@ -13,8 +13,8 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _chunk_cumsum_kernel(g, gc, cu_seqlens, chunk_indices,
-                         H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    i_c = tl.program_id(0)
+                         H, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
     i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)

@@ -24,14 +24,14 @@ def mm(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def load_rows(x, t0, rows, m_rows, i_h, cols, m_cols, H: tl.constexpr, D: tl.constexpr):
+def load_rows(x, t0, rows, m_rows, i_h, cols, m_cols, H, D: tl.constexpr):
     """Rows `rows` (chunk-local) of x [.., H, D] for head i_h, columns `cols`, as fp32 [len(rows), len(cols)]."""
     off = ((t0 + rows)[:, None] * H + i_h) * D + cols[None, :]
     return tl.load(x + off, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def load_query_gate(gc, t0, rows, m_rows, i_h, cols, m_cols, H: tl.constexpr, D: tl.constexpr,
+def load_query_gate(gc, t0, rows, m_rows, i_h, cols, m_cols, H, D: tl.constexpr,
                     EXCLUSIVE: tl.constexpr):
     """The query-side decay exponent: Γ̄ (row τ-1, 0 at the chunk start) if EXCLUSIVE, else Γ."""
     if EXCLUSIVE:
@@ -41,14 +41,14 @@ def load_query_gate(gc, t0, rows, m_rows, i_h, cols, m_cols, H: tl.constexpr, D:
 
 
 @triton.jit
-def load_row(x, t0, row, i_h, cols, m_cols, H: tl.constexpr, D: tl.constexpr):
+def load_row(x, t0, row, i_h, cols, m_cols, H, D: tl.constexpr):
     """One row (chunk-local index `row`) of x for head i_h, as an fp32 vector."""
     return tl.load(x + ((t0 + row) * H + i_h) * D + cols, mask=m_cols, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale,
-                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                       H, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                        EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr, DT: tl.constexpr):
     """A [BT, BT] fp32 with A[τ, j] = scale Σ_i q[τ,i] k[j,i] exp(Γq[τ,i] - Γ[j,i]) for j < τ
     (j <= τ if not EXCLUSIVE), plus the bonus scale Σ_i q[τ,i] u[i] k[τ,i] on the diagonal if HAS_U.

@@ -8,18 +8,14 @@ import triton.language as tl
 
 from .intra import intra_chunk_matrix, load_query_gate, load_rows, mm
 from .layout import ChunkLayout
-from .tuning import configs
-
-_WARPS = configs([triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)])
 
 
-@triton.autotune(configs=_WARPS, key=["H", "K", "V", "BT", "BK", "BV", "EXCLUSIVE", "HAS_U", "DT"])
 @triton.jit
 def _output_kernel(q, k, v, gc, u, h, o, cu_seqlens, chunk_indices, scale,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr,
                    DT: tl.constexpr):
-    i_c = tl.program_id(0)
+    i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
@@ -58,5 +54,5 @@ def chunk_output_fwd(q, k, v, gc, h, layout: ChunkLayout, scale: float, exclusiv
     _output_kernel[(layout.num_chunks, H, triton.cdiv(V, block_v))](
         q, k, v, gc, u, h, o, layout.cu_seqlens, layout.chunk_indices, scale,
         H=H, K=K, V=V, BT=layout.chunk_size, BC=sub_chunk, BK=block_k, BV=block_v,
-        EXCLUSIVE=exclusive, HAS_U=u is not None, DT=dot_dtype)
+        EXCLUSIVE=exclusive, HAS_U=u is not None, DT=dot_dtype, num_warps=8 if block_k >= 64 else 4, num_stages=1)
     return o

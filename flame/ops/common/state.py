@@ -12,23 +12,14 @@ import triton.language as tl
 
 from .intra import load_query_gate, load_row, load_rows, mm
 from .layout import ChunkLayout
-from .tuning import configs
-
-# The passes are sequential over chunks, so parallelism is N*H*(K/BK)*(V/BV) programs: smaller
-# state tiles give more programs when N*H is small.
-_STATE_CONFIGS = configs([
-    triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
-    for bk in (64, 32) for bv in (64, 32) for w in (4, 2) for s in (2, 3)
-])
 
 
-@triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V", "BT", "DT"])
 @triton.jit
 def _state_fwd_kernel(k, v, gc, h0, h, ht, cu_seqlens, chunk_offsets,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr,
                       USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr):
-    i_nh = tl.program_id(0)
+    i_nh = tl.program_id(0).to(tl.int64)
     i_kv = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -63,13 +54,12 @@ def _state_fwd_kernel(k, v, gc, h0, h, ht, cu_seqlens, chunk_offsets,
         tl.store(ht + (i_n * H + i_h) * K * V + s_off, S, mask=m_kv)
 
 
-@triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V", "BT", "EXCLUSIVE", "DT"])
 @triton.jit
 def _state_bwd_kernel(q, do, gc, dht, dh, dh0, cu_seqlens, chunk_offsets, scale,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr,
                       USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr):
-    i_nh = tl.program_id(0)
+    i_nh = tl.program_id(0).to(tl.int64)
     i_kv = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -106,8 +96,18 @@ def _state_bwd_kernel(q, do, gc, dht, dh, dh0, cu_seqlens, chunk_offsets, scale,
         tl.store(dh0 + (i_n * H + i_h) * K * V + s_off, dS, mask=m_kv)
 
 
-def _grid(num_seqs: int, H: int, K: int, V: int):
-    return lambda meta: (num_seqs * H, triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]))
+def _state_blocks(num_seqs: int, H: int, K: int, V: int) -> tuple[int, int, tuple[int, int]]:
+    """State tile BK x BV and grid. The passes are sequential over chunks, so the parallelism is
+    N*H*(K/BK)*(V/BV) programs: tiles shrink from 64 x 64 towards 32 x 32 until about two
+    programs per SM of a large GPU are busy."""
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    while num_seqs * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < 256 and max(BK, BV) > 32:
+        if BV >= BK:
+            BV //= 2
+        else:
+            BK //= 2
+    return BK, BV, (num_seqs * H, triton.cdiv(K, BK) * triton.cdiv(V, BV))
 
 
 def chunk_state_fwd(k, v, gc, layout: ChunkLayout, h0, output_final_state: bool, dot_dtype):
@@ -119,8 +119,10 @@ def chunk_state_fwd(k, v, gc, layout: ChunkLayout, h0, output_final_state: bool,
     V = v.shape[-1]
     h = torch.empty(layout.num_chunks, H, K, V, device=k.device, dtype=torch.float32)
     ht = torch.empty(layout.num_seqs, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
-    _state_fwd_kernel[_grid(layout.num_seqs, H, K, V)](
+    BK, BV, grid = _state_blocks(layout.num_seqs, H, K, V)
+    _state_fwd_kernel[grid](
         k, v, gc, h0, h, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V, BT=layout.chunk_size,
+        BK=BK, BV=BV, num_warps=4, num_stages=2,
         USE_H0=h0 is not None, STORE_HT=output_final_state, DT=dot_dtype)
     return h, ht
 
@@ -134,8 +136,9 @@ def chunk_state_bwd(q, do, gc, layout: ChunkLayout, dht, scale: float, exclusive
     V = do.shape[-1]
     dh = torch.empty(layout.num_chunks, H, K, V, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(layout.num_seqs, H, K, V, device=q.device, dtype=torch.float32) if need_dh0 else None
-    _state_bwd_kernel[_grid(layout.num_seqs, H, K, V)](
+    BK, BV, grid = _state_blocks(layout.num_seqs, H, K, V)
+    _state_bwd_kernel[grid](
         q, do, gc, dht, dh, dh0, layout.cu_seqlens, layout.chunk_offsets, scale,
-        H=H, K=K, V=V, BT=layout.chunk_size, EXCLUSIVE=exclusive,
+        H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, num_warps=4, num_stages=2, EXCLUSIVE=exclusive,
         USE_DHT=dht is not None, STORE_DH0=need_dh0, DT=dot_dtype)
     return dh, dh0

@@ -31,9 +31,9 @@ def _blocks(K: int, V: int) -> tuple[int, int]:
 
 @triton.jit
 def _fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    i_nh = tl.program_id(0)
+    i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -64,10 +64,10 @@ def _fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
 
 
 @triton.jit
-def _bwd_dr_kernel(k, v, w, do, h0, dr_part, cu_seqlens, scale, total,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   USE_H0: tl.constexpr):
-    i_nh = tl.program_id(0)
+def _bwd_dr_kernel(k, v, w, do, h0, dr_part, cu_seqlens, scale,
+                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   NV: tl.constexpr, USE_H0: tl.constexpr):
+    i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -81,23 +81,23 @@ def _bwd_dr_kernel(k, v, w, do, h0, dr_part, cu_seqlens, scale, total,
     if USE_H0:
         S += tl.load(h0 + (i_n * H + i_h) * K * V + ck[:, None] * V + cv[None, :],
                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    part = i_v.to(tl.int64) * total * H * K
     for t in range(bos, eos):
         p_k = (t * H + i_h) * K + ck
         p_v = (t * H + i_h) * V + cv
+        p_part = ((t * H + i_h) * NV + i_v) * K + ck
         kt = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         wt = tl.load(w + p_k, mask=m_k, other=0.0).to(tl.float32)
         vt = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
         dot = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
-        tl.store(dr_part + part + p_k, tl.sum(S * dot[None, :], axis=1) * scale, mask=m_k)
+        tl.store(dr_part + p_part, tl.sum(S * dot[None, :], axis=1) * scale, mask=m_k)
         S = tl.exp(wt)[:, None] * S + kt[:, None] * vt[None, :]
 
 
 @triton.jit
-def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale, total,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
-    i_nh = tl.program_id(0)
+def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale,
+                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+    i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -113,17 +113,17 @@ def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale,
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         dS += tl.load(dht + s_off, mask=m_kv, other=0.0).to(tl.float32)
-    part = i_v.to(tl.int64) * total * H * K
     for i in range(0, eos - bos):
         t = eos - 1 - i
         p_k = (t * H + i_h) * K + ck
         p_v = (t * H + i_h) * V + cv
+        p_part = ((t * H + i_h) * NV + i_v) * K + ck
         rt = tl.load(r + p_k, mask=m_k, other=0.0).to(tl.float32) * scale
         kt = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         wt = tl.load(w + p_k, mask=m_k, other=0.0).to(tl.float32)
         vt = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
         dot = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
-        tl.store(dk_part + part + p_k, tl.sum(dS * vt[None, :], axis=1), mask=m_k)
+        tl.store(dk_part + p_part, tl.sum(dS * vt[None, :], axis=1), mask=m_k)
         dvt = tl.sum(dS * kt[:, None], axis=0) + tl.sum(rt * uu * kt) * dot
         tl.store(dv + p_v, dvt.to(dv.dtype.element_ty), mask=m_v)
         dS = tl.exp(wt)[:, None] * dS + rt[:, None] * dot[None, :]
@@ -132,10 +132,10 @@ def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale,
 
 
 @triton.jit
-def _bwd_dw_kernel(r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_part, cu_seqlens, scale, total,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+def _bwd_dw_kernel(r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_part, cu_seqlens, scale,
+                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
                    NV: tl.constexpr, USE_G: tl.constexpr):
-    i_nh = tl.program_id(0)
+    i_nh = tl.program_id(0).to(tl.int64)
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -161,8 +161,9 @@ def _bwd_dw_kernel(r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_par
         drt = tl.zeros([BK], dtype=tl.float32)
         dkt = tl.zeros([BK], dtype=tl.float32)
         for i_v in range(0, NV):
-            drt += tl.load(dr_part + i_v * total * H * K + p_k, mask=m_k, other=0.0)
-            dkt += tl.load(dk_part + i_v * total * H * K + p_k, mask=m_k, other=0.0)
+            p_part = ((t * H + i_h) * NV + i_v) * K + ck
+            drt += tl.load(dr_part + p_part, mask=m_k, other=0.0)
+            dkt += tl.load(dk_part + p_part, mask=m_k, other=0.0)
         p = rt * drt
         z += p - kt * dkt
         tl.store(dw + p_k, (z - p + g).to(dw.dtype.element_ty), mask=m_k)
@@ -205,23 +206,22 @@ class FusedRecurrentRWKV6Function(torch.autograd.Function):
         V = v.shape[-1]
         BK, BV = _blocks(K, V)
         NV = triton.cdiv(V, BV)
-        total = B * T
         do = do.contiguous()
         use_dht = dht is not None and ht is not None
         dht = dht.float().contiguous() if use_dht else None
-        dr_part = torch.empty(NV, B, T, H, K, device=r.device, dtype=torch.float32)
-        dk_part = torch.empty(NV, B, T, H, K, device=r.device, dtype=torch.float32)
+        dr_part = torch.empty(B, T, H, NV, K, device=r.device, dtype=torch.float32)
+        dk_part = torch.empty(B, T, H, NV, K, device=r.device, dtype=torch.float32)
         dv = torch.empty_like(v)
         dh0 = torch.empty(N, H, K, V, device=r.device, dtype=torch.float32) if h0 is not None else None
         grid = (N * H, NV)
-        _bwd_dr_kernel[grid](k, v, w, do, h0, dr_part, cu, scale, total, H=H, K=K, V=V, BK=BK, BV=BV,
+        _bwd_dr_kernel[grid](k, v, w, do, h0, dr_part, cu, scale, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV,
                              USE_H0=h0 is not None)
-        _bwd_dkv_kernel[grid](r, k, v, w, u, do, dht, dk_part, dv, dh0, cu, scale, total, H=H, K=K, V=V,
-                              BK=BK, BV=BV, USE_DHT=use_dht, STORE_DH0=h0 is not None)
+        _bwd_dkv_kernel[grid](r, k, v, w, u, do, dht, dk_part, dv, dh0, cu, scale, H=H, K=K, V=V,
+                              BK=BK, BV=BV, NV=NV, USE_DHT=use_dht, STORE_DH0=h0 is not None)
         g_final = (ht * dht).sum(-1).contiguous() if use_dht else None
         dr, dk, dw = torch.empty_like(r), torch.empty_like(k), torch.empty_like(w)
         du_part = torch.empty(N, H, K, device=r.device, dtype=torch.float32)
-        _bwd_dw_kernel[(N * H,)](r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_part, cu, scale, total,
+        _bwd_dw_kernel[(N * H,)](r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_part, cu, scale,
                                  H=H, K=K, V=V, BK=BK, BVF=max(16, triton.next_power_of_2(V)), NV=NV,
                                  USE_G=use_dht)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None

@@ -84,7 +84,7 @@ def decayed_scores(x: torch.Tensor, gx: torch.Tensor, g: torch.Tensor, ys: tuple
 
     scores = []
     for y in ys:
-        diag = torch.einsum("...tjk,...jk->...tj", x_pair, _split(y, sub))     # [..., NS, S, S]
+        diag = (x_pair * _split(y, sub)[..., None, :, :]).sum(-1)             # [..., NS, S, S]
         off = x_ref @ (y[..., None, :, :] * key_to_ref).transpose(-1, -2)     # [..., NS, S, C]
         off = off.reshape(*lead, NS, sub, NS, sub)
         scores.append(torch.where(same_block, diag[..., :, :, None, :], off).reshape(*lead, C, C))

@@ -164,6 +164,64 @@ register(BenchOp(  # fla's fused recurrent RWKV7 has no backward: flame only
 
 
 # ------------------------------------------------------------------------------------------------
+# GSA
+
+def _gsa_inputs(dtype, device, B, T, H, K, V, M):
+    """The layer's distributions: swish q and k, g = logsigmoid(randn) / 8, s = 1 - exp(g)."""
+    def leaf(x):
+        return x.to(dtype).requires_grad_(True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    g = F.logsigmoid(torch.randn(B, T, H, M, device=device, generator=gen)) / 8
+    return {
+        "q": leaf(F.silu(torch.randn(B, T, H, K, device=device, generator=gen))),
+        "k": leaf(F.silu(torch.randn(B, T, H, K, device=device, generator=gen))),
+        "v": leaf(torch.randn(B, T, H, V, device=device, generator=gen)),
+        "s": leaf(-torch.expm1(g)),
+        "g": leaf(g),
+    }
+
+
+def _gsa_args(x):
+    return x["q"], x["k"], x["v"], x["s"], x["g"]
+
+
+def _flame_chunk_gsa(x):
+    from flame.ops.gsa.chunk import chunk_gsa
+    return chunk_gsa(*_gsa_args(x), scale=1.0, backend="triton")[0]
+
+
+def _fla_chunk_gsa():
+    fn = _fla("fla.ops.gsa", "chunk_gsa")
+    return None if fn is None else (lambda x: fn(*_gsa_args(x), scale=1.0)[0])
+
+
+def _flame_fused_recurrent_gsa(x):
+    from flame.ops.gsa.fused_recurrent import fused_recurrent_gsa
+    return fused_recurrent_gsa(*_gsa_args(x), scale=1.0, backend="triton")[0]
+
+
+def _fla_fused_recurrent_gsa():
+    fn = _fla("fla.ops.gsa", "fused_recurrent_gsa")
+    return None if fn is None else (lambda x: fn(*_gsa_args(x), scale=1.0)[0])
+
+
+register(BenchOp(  # the issue's reference shapes (fla 0.6.0 on H100: 0.62 / 2.77 ms and 0.74 / 3.30 ms)
+    name="chunk_gsa",
+    shapes=(dict(B=8, T=2048, H=4, K=256, V=256, M=64), dict(B=2, T=8192, H=4, K=256, V=256, M=64)),
+    make_inputs=_gsa_inputs,
+    flame=_flame_chunk_gsa,
+    fla=_fla_chunk_gsa,
+))
+register(BenchOp(
+    name="fused_recurrent_gsa",
+    shapes=(dict(B=8, T=512, H=4, K=128, V=128, M=64),),
+    make_inputs=_gsa_inputs,
+    flame=_flame_fused_recurrent_gsa,
+    fla=_fla_fused_recurrent_gsa,
+))
+
+
+# ------------------------------------------------------------------------------------------------
 
 def _time(fn: Callable[[dict], torch.Tensor], inputs: dict) -> tuple[float, float]:
     from triton.testing import do_bench

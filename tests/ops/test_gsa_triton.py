@@ -7,7 +7,9 @@ section 7 that apply to GSA. GPU-only tests (bf16, T = 4096) are marked `gpu`.
 import pytest
 import torch
 
-from flame.ops.gsa.fused_recurrent_triton import fused_recurrent_gsa_fwd, fused_recurrent_gsa_triton
+from flame.ops import chunk_gsa, fused_recurrent_gsa
+from flame.ops.gsa.chunk_triton import chunk_gsa_triton
+from flame.ops.gsa.fused_recurrent_triton import fused_recurrent_gsa_fwd
 from flame.ops.gsa.naive import naive_gsa
 from tests.ops.assertions import assert_close, assert_finite
 from tests.ops.inputs import (grad_leaves, loss_of, make_cu_seqlens, make_gsa_inputs, random_like,
@@ -62,7 +64,14 @@ def gsa_inputs(B=1, T=40, H=2, K=16, V=16, M=16, dtype=torch.float32, **kw):
     return make_gsa_inputs(B, T, H, K, V, M, dtype=dtype, device=DEVICE, requires_grad=True, **kw)
 
 
-OPS = {"fused_recurrent": fused_recurrent_gsa_triton}
+def _triton(public_op):
+    def op(**kw):
+        return public_op(**kw, backend="triton")
+    return op
+
+
+# the public ops with the Triton backend (validation + dispatch + kernels)
+OPS = {"chunk": _triton(chunk_gsa), "fused_recurrent": _triton(fused_recurrent_gsa)}
 
 
 @pytest.fixture(params=list(OPS))
@@ -218,3 +227,73 @@ def test_inputs_not_modified(op):
 def test_half_precision_inputs(op, dtype):
     """Hazard 8 at CPU size: 16-bit inputs, fp32 internals, fp32 final states."""
     check_against_naive(op, gsa_inputs(B=2, T=64, HQ=4, dtype=dtype))
+
+
+# ------------------------------------------------------------------------------ chunk specific
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_chunk_size_invariance(chunk_size):
+    """Hazard 10: chunk sizes 16, 32 and 64 all match the oracle (T = 70: partial last chunks)."""
+    check_against_naive(chunk_gsa_triton, gsa_inputs(T=70, decay="strong"), chunk_size=chunk_size)
+
+
+def test_recompute_levels_agree():
+    """Saving the cumsum and states (level 0) or recomputing them (1, 2) gives bitwise-equal results."""
+    inputs = gsa_inputs(B=2, T=70, HQ=4)
+    runs = [_run(chunk_gsa_triton, inputs, 0.5, recompute_level=level) for level in (0, 1, 2)]
+    for o, fs, grads in runs[1:]:
+        assert torch.equal(o, runs[0][0])
+        for name in grads:
+            assert torch.equal(grads[name], runs[0][2][name]), f"d{name} depends on the recompute level"
+
+
+def test_known_failure_5_paths_agree():
+    """known-failures.md 5: chunked and recurrent kernels agree with each other (and each with fp64,
+    above), outputs, final states and every gradient including the states'; inputs untouched."""
+    inputs = gsa_inputs(B=2, T=70, HQ=4, K=32, V=48, M=32, decay="strong")
+    before = {n: t.detach().clone() for n, t in grad_leaves(inputs).items()}
+    oc, fc, gc = _run(OPS["chunk"], inputs, 0.5)
+    orr, fr, gr = _run(OPS["fused_recurrent"], inputs, 0.5)
+    for name, t in grad_leaves(inputs).items():
+        assert torch.equal(t.detach(), before[name]), f"{name} was modified"
+    assert_close("o", orr, oc, 1e-4)
+    assert_close("hk_final", fr[0], fc[0], 1e-4)
+    assert_close("hv_final", fr[1], fc[1], 1e-4)
+    for name in gr:
+        assert_close(f"d{name}", gr[name], gc[name], 1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- GPU only
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decay", ["strong", "weak"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_gpu_bf16_long(name, decay):
+    """Hazard 8 on the GPU: bf16 inputs at T = 4096 with strong and weak gates, fp32 internals,
+    against naive_gsa in float64 on the same values (ratio 1e-2, kernels.md section 7)."""
+    check_against_naive(OPS[name], gsa_inputs(B=1, T=4096, H=2, K=64, V=128, M=64, dtype=torch.bfloat16,
+                                              decay=decay), ratio=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decay", ["strong", "weak", "extreme"])
+def test_gpu_chunk_vs_recurrent_bf16(decay):
+    """Chunk against fused recurrent in bf16 at realistic size (B2 T4096 H4 K=V=256 M64), GQA off."""
+    inputs = gsa_inputs(B=2, T=4096, H=4, K=256, V=256, M=64, dtype=torch.bfloat16, decay=decay)
+    oc, fc, gc = _run(OPS["chunk"], inputs, 1.0)
+    orr, fr, gr = _run(OPS["fused_recurrent"], inputs, 1.0)
+    assert_close("o", orr, oc, 1e-2)
+    assert_close("hk_final", fr[0], fc[0], 1e-2)
+    assert_close("hv_final", fr[1], fc[1], 1e-2)
+    for name in gr:
+        assert_close(f"d{name}", gr[name], gc[name], 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_gqa_fp32():
+    """fp32, GQA and packed sequences (a length-1 one included) at GPU size against the oracle."""
+    lengths = [1, 700, 64, 1235]
+    cu = make_cu_seqlens(lengths, device=DEVICE)
+    inputs = varlen_state(gsa_inputs(T=sum(lengths), H=2, HQ=4, K=64, V=96, M=32, decay="strong"), len(lengths))
+    for op in OPS.values():
+        check_against_naive(op, inputs, cu_seqlens=cu)

@@ -31,5 +31,6 @@ def chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=F
     """
     check_gsa_inputs("chunk_gsa", q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
     if resolve_backend(backend, q.device, "chunk_gsa") == "triton":
-        raise NotImplementedError("the Triton backend of chunk_gsa is not built yet (issue #4)")
+        from .chunk_triton import chunk_gsa_triton
+        return chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
     return chunk_gsa_torch(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)

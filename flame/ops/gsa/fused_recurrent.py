@@ -22,5 +22,6 @@ def fused_recurrent_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_fin
     """Gated slot attention computed token by token; same arguments and results as `chunk_gsa`."""
     check_gsa_inputs("fused_recurrent_gsa", q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
     if resolve_backend(backend, q.device, "fused_recurrent_gsa") == "triton":
-        raise NotImplementedError("the Triton backend of fused_recurrent_gsa is not built yet (issue #4)")
+        from .fused_recurrent_triton import fused_recurrent_gsa_triton
+        return fused_recurrent_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
     return fused_recurrent_gsa_torch(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)

@@ -110,7 +110,13 @@ def default_init_skipped():
 
     `init_weights()` sets every parameter afterwards, so the default inits of nn.Linear and
     nn.Embedding are wasted work; running them on a forked RNG keeps the global RNG where it was,
-    so a model built on CPU and one built on the meta device then materialised draw exactly the
-    same numbers in `init_weights()`."""
-    with torch.random.fork_rng(devices=[]):
+    so a model built on CPU (or CUDA) and one built on the meta device then materialised draw
+    exactly the same numbers in `init_weights()`."""
+    device = torch.get_default_device()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        forked = torch.random.fork_rng(devices=[index], device_type="cuda")
+    else:
+        forked = torch.random.fork_rng(devices=[])
+    with forked:
         yield

@@ -49,3 +49,18 @@ def test_triton_and_torch_backends_agree_in_the_model(family):
     out = model(ids, cu_seqlens=cu)
     err = ((out - ref).double().pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt()).item()
     assert err < 1e-3, f"{family}: relative RMS error {err:.2e} between backends"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_build_equals_meta_materialised_on_cuda(family):
+    args = gpu_args(family, "triton")
+    torch.manual_seed(5)
+    with torch.device("cuda"):
+        direct = build_model(args)
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        meta = build_model(args)
+    meta.to_empty(device="cuda")
+    meta.init_weights()
+    for name, value in direct.state_dict().items():
+        assert torch.equal(value, meta.state_dict()[name]), f"{family}: {name}"

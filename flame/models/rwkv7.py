@@ -30,7 +30,7 @@ from flame.models.token_shift import token_shift
 from flame import ops
 
 DECAY_BOUND = math.exp(-0.5)
-"""|log-decay| < e^{-1/2} = 0.6065306597126334: the official clamp of RWKV7's decay."""
+"""|log-decay| <= e^{-1/2} = 0.6065306597126334: the official clamp of RWKV7's decay."""
 
 
 class RWKV7Attention(nn.Module):
@@ -101,8 +101,9 @@ class RWKV7Attention(nn.Module):
         B, T, C = x.shape
         H, N = self.num_heads, self.head_dim
         delta = token_shift(x, cu_seqlens) - x
-        xr, xw, xk = torch.addcmul(x, delta, self.mu_r), torch.addcmul(x, delta, self.mu_w), torch.addcmul(x, delta, self.mu_k)
-        xv, xa, xg = torch.addcmul(x, delta, self.mu_v), torch.addcmul(x, delta, self.mu_a), torch.addcmul(x, delta, self.mu_g)
+        xr, xw, xk, xv, xa, xg = (
+            torch.addcmul(x, delta, mu) for mu in (self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g)
+        )
 
         r = self.receptance(xr)
         w = -DECAY_BOUND * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch_size: int, seq_len: int) -> None:
     """Raise ValueError unless cu_seqlens is a valid set of document offsets for [1, seq_len]."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be a 1-D tensor of N+1 offsets (N >= 1), got shape {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be a 1-D tensor of N+1 offsets (N >= 1), got shape {tuple(cu_seqlens.shape)}"
+        )
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if batch_size != 1:

@@ -393,3 +393,23 @@ def test_hub_path_with_a_local_dataset_folder(tmp_path, tokenizer):
     with pytest.raises(DataError, match="cannot load HF dataset"):
         build_dataloader(dataset=str(folder), dataset_split="nope", tokenizer=tokenizer,
                          batch_size=1, seq_len=8)
+
+
+class BigVocabTokenizer:
+    """A character tokenizer with ids above 65535: its shards must be uint32."""
+
+    vocab_size, eod_id, source, fingerprint = 70_000, 69_999, "big-vocab", "big-vocab-v1"
+
+    def encode_batch(self, texts):
+        return [[66_000 + ord(c) % 1000 for c in t] for t in texts]
+
+
+def test_uint32_shards_for_big_vocabularies(two_corpora, tmp_path):
+    from flame.data.shards import write_shards
+
+    tok = BigVocabTokenizer()
+    manifest = write_shards(tmp_path, [str(two_corpora[0])], tok, val_fraction=0.1, log=lambda *_: None)
+    assert manifest["dtype"] == "uint32"
+    (stream, _), = open_shards(tmp_path, tok, "train", 0.1)
+    assert stream.dtype == np.uint32 and stream[0] == 69_999 and stream[1:].max() == 69_999
+    assert stream[1:][stream[1:] != 69_999].min() >= 66_000

@@ -96,18 +96,19 @@ def _state_bwd_kernel(q, do, gc, dht, dh, dh0, cu_seqlens, chunk_offsets, scale,
         tl.store(dh0 + (i_n * H + i_h) * K * V + s_off, dS, mask=m_kv)
 
 
-def _state_blocks(num_seqs: int, H: int, K: int, V: int) -> tuple[int, int, tuple[int, int]]:
-    """State tile BK x BV and grid. The passes are sequential over chunks, so the parallelism is
-    N*H*(K/BK)*(V/BV) programs: tiles shrink from 64 x 64 towards 32 x 32 until about two
+def _state_blocks(num_seqs: int, H: int, K: int, V: int) -> tuple[int, int, int, tuple[int, int]]:
+    """State tile BK x BV, warps and grid. The passes are sequential over chunks, so the parallelism
+    is N*H*(K/BK)*(V/BV) programs: tiles shrink from 64 x 64 (down to 16 x 16) until about two
     programs per SM of a large GPU are busy."""
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    while num_seqs * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < 256 and max(BK, BV) > 32:
+    while num_seqs * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < 256 and max(BK, BV) > 16:
         if BV >= BK:
             BV //= 2
         else:
             BK //= 2
-    return BK, BV, (num_seqs * H, triton.cdiv(K, BK) * triton.cdiv(V, BV))
+    warps = 4 if BK * BV >= 64 * 32 else 2
+    return BK, BV, warps, (num_seqs * H, triton.cdiv(K, BK) * triton.cdiv(V, BV))
 
 
 def chunk_state_fwd(k, v, gc, layout: ChunkLayout, h0, output_final_state: bool, dot_dtype):
@@ -119,10 +120,10 @@ def chunk_state_fwd(k, v, gc, layout: ChunkLayout, h0, output_final_state: bool,
     V = v.shape[-1]
     h = torch.empty(layout.num_chunks, H, K, V, device=k.device, dtype=torch.float32)
     ht = torch.empty(layout.num_seqs, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
-    BK, BV, grid = _state_blocks(layout.num_seqs, H, K, V)
+    BK, BV, warps, grid = _state_blocks(layout.num_seqs, H, K, V)
     _state_fwd_kernel[grid](
         k, v, gc, h0, h, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V, BT=layout.chunk_size,
-        BK=BK, BV=BV, num_warps=4, num_stages=2,
+        BK=BK, BV=BV, num_warps=warps, num_stages=2,
         USE_H0=h0 is not None, STORE_HT=output_final_state, DT=dot_dtype)
     return h, ht
 
@@ -136,9 +137,9 @@ def chunk_state_bwd(q, do, gc, layout: ChunkLayout, dht, scale: float, exclusive
     V = do.shape[-1]
     dh = torch.empty(layout.num_chunks, H, K, V, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(layout.num_seqs, H, K, V, device=q.device, dtype=torch.float32) if need_dh0 else None
-    BK, BV, grid = _state_blocks(layout.num_seqs, H, K, V)
+    BK, BV, warps, grid = _state_blocks(layout.num_seqs, H, K, V)
     _state_bwd_kernel[grid](
         q, do, gc, dht, dh, dh0, layout.cu_seqlens, layout.chunk_offsets, scale,
-        H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, num_warps=4, num_stages=2, EXCLUSIVE=exclusive,
+        H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, num_warps=warps, num_stages=2, EXCLUSIVE=exclusive,
         USE_DHT=dht is not None, STORE_DH0=need_dh0, DT=dot_dtype)
     return dh, dh0

@@ -34,8 +34,10 @@ def _chunk_rwkv7(r, w, k, v, a, b, scale, state, chunk_size, sub_chunk):
 
     eye = torch.eye(rc.shape[-2], dtype=dt, device=rc.device)
     lower = eye - M_ab                                                                     # unit lower triangular
-    W = torch.linalg.solve_triangular(lower, ac * torch.exp(Gx), upper=False, unitriangular=True)   # [.., C, K]
-    U = torch.linalg.solve_triangular(lower, M_ak @ vc, upper=False, unitriangular=True)            # [.., C, V]
+    # one solve for both right-hand sides: W = Tm A_hat [.., C, K] and U = Tm M_ak V [.., C, V]
+    rhs = torch.cat([ac * torch.exp(Gx), M_ak @ vc], dim=-1)
+    W, U = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
+        [ac.shape[-1], vc.shape[-1]], dim=-1)
 
     to_end = torch.exp(G_last - G)
     k_to_end, b_to_end = kc * to_end, bc * to_end

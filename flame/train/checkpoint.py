@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -202,11 +203,14 @@ class CheckpointManager:
             dcp.load(state, checkpoint_id=str(path))
         except CheckpointError:
             raise
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            cause = err
+            if isinstance(err, CheckpointException) and err.failures:  # per-rank (exc, trace)
+                cause = next(iter(err.failures.values()))[0]
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded, it is corrupt or does not match this "
-                f"model/run: {type(err).__name__}: {_first_line(err)}"
-            ) from err
+                f"model/run: {type(cause).__name__}: {_first_line(cause)}"
+            ) from (err if isinstance(err, Exception) else cause)
         logger.info("checkpoint: loaded %s in %.1fs", path, time.monotonic() - start)
 
 

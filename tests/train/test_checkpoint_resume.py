@@ -1,0 +1,105 @@
+"""Checkpoints: exact resume, a save interrupted mid-write, corrupt checkpoints, model-only loads."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from flame.train.checkpoint import CheckpointError
+from flame.train.trainer import Trainer
+from tests.train.helpers import params, tiny_config
+
+
+def run_config(dump, **checkpoint):
+    return tiny_config(
+        dump,
+        training={"steps": 8, "batch_size": 2, "seq_len": 32, "gradient_accumulation_steps": 2},
+        checkpoint={"enable": True, "interval": 4, "keep_latest_k": 0, **checkpoint},
+        lr_scheduler={"warmup_steps": 2, "decay_type": "cosine", "lr_min": 1e-4},
+    )
+
+
+def losses(dump) -> dict[int, float]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def straight_and_resumed(tmp_path_factory):
+    """One run of 8 steps straight; one of 4 steps, a 'kill', and a resume to 8 (async saves)."""
+    root = tmp_path_factory.mktemp("resume")
+    straight = Trainer(run_config(root / "straight"))
+    straight.train()
+    first = Trainer(run_config(root / "resumed", async_mode="async"))
+    first.train(stop_at_step=4)
+    # a later save that died mid-write: shards begun, never marked complete
+    partial = root / "resumed" / "checkpoint" / "step-6"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"\x00" * 100)
+    resumed = Trainer(run_config(root / "resumed", async_mode="async"))
+    start_step = resumed.state.step
+    resumed.train()
+    return root, straight, resumed, start_step
+
+
+def test_resume_reproduces_steps_5_to_8_bitwise(straight_and_resumed):
+    root, straight, resumed, start_step = straight_and_resumed
+    assert start_step == 4  # the interrupted step-6 save was ignored
+    a, b = losses(root / "straight"), losses(root / "resumed")
+    assert sorted(b) == list(range(1, 9))
+    assert [a[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)]
+    for name, value in params(straight.model).items():
+        assert torch.equal(value, params(resumed.model)[name]), name
+    assert resumed.state.tokens == straight.state.tokens
+    assert resumed.lr_scheduler.last_epoch == straight.lr_scheduler.last_epoch == 8
+
+
+def test_a_save_of_the_same_step_replaces_the_partial_one(straight_and_resumed):
+    root, *_ = straight_and_resumed
+    complete = sorted(p.name for p in (root / "resumed" / "checkpoint").iterdir()
+                      if (p / "COMPLETE").is_file())
+    assert complete == ["step-4", "step-8"]
+
+
+def test_corrupt_checkpoint_gives_a_clear_error(straight_and_resumed, tmp_path):
+    root, *_ = straight_and_resumed
+    dump = tmp_path / "corrupt"
+    shutil.copytree(root / "straight", dump)
+    shard = next((dump / "checkpoint" / "step-8").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])  # truncated
+    with pytest.raises(CheckpointError, match=r"step-8 could not be loaded, it is corrupt"):
+        Trainer(run_config(dump))
+
+
+def test_checkpoint_without_metadata_gives_a_clear_error(straight_and_resumed, tmp_path):
+    root, *_ = straight_and_resumed
+    dump = tmp_path / "partial"
+    shutil.copytree(root / "straight", dump)
+    (dump / "checkpoint" / "step-8" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"step-8 is incomplete: DCP metadata"):
+        Trainer(run_config(dump))
+
+
+def test_missing_load_step_is_named(straight_and_resumed, tmp_path):
+    root, *_ = straight_and_resumed
+    dump = tmp_path / "copy"
+    shutil.copytree(root / "straight", dump)
+    with pytest.raises(CheckpointError, match=r"load_step=6: no complete checkpoint.*\[4, 8\]"):
+        Trainer(run_config(dump, load_step=6))
+
+
+def test_keep_latest_k_keeps_the_newest(straight_and_resumed, tmp_path):
+    trainer = Trainer(run_config(tmp_path / "keep", interval=2, keep_latest_k=2))
+    trainer.train(stop_at_step=6)
+    assert trainer.checkpointer.complete_steps() == [4, 6]
+
+
+def test_initial_load_model_only_starts_a_new_run(straight_and_resumed, tmp_path):
+    root, straight, *_ = straight_and_resumed
+    cfg = run_config(tmp_path / "finetune",
+                     initial_load_path=str(root / "straight" / "checkpoint" / "step-8"))
+    trainer = Trainer(cfg)
+    assert trainer.state.step == 0 and trainer.lr_scheduler.last_epoch == 0
+    for name, value in params(straight.model).items():
+        assert torch.equal(value, params(trainer.model)[name]), name

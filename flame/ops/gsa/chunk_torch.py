@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decay_chunks import DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_mix, decayed_scores, from_chunks, to_chunks
+from ..decay_chunks import (DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_mix, decayed_scores, from_chunks,
+                            to_chunks)
 
 
 def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size, sub_chunk):

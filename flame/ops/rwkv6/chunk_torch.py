@@ -26,7 +26,7 @@ def _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size, sub_chunk):
     Gx = G - wc
     G_last = G[..., -1:, :]                                                        # [B,H,NC,1,K]
 
-    (A,) = decayed_scores(rc, Gx, G, (kc,), inclusive=False, sub=sub_chunk)                          # [B,H,NC,C,C]
+    (A,) = decayed_scores(rc, Gx, G, (kc,), inclusive=False, sub=sub_chunk)       # [B,H,NC,C,C]
     bonus = (rc * u.to(dt)[None, :, None, None, :] * kc).sum(-1, keepdim=True)    # [B,H,NC,C,1]
     o = A @ vc + bonus * vc
 
@@ -61,7 +61,8 @@ def chunk_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, output_final
         outs, finals = [], []
         for n in range(N):
             seq = slice(offsets[n], offsets[n + 1])
-            o_n, h_n = _chunk_rwkv6(r[:, seq], k[:, seq], v[:, seq], w[:, seq], u, scale, h0[n:n + 1], chunk_size, sub_chunk)
+            o_n, h_n = _chunk_rwkv6(r[:, seq], k[:, seq], v[:, seq], w[:, seq], u, scale, h0[n:n + 1],
+                                    chunk_size, sub_chunk)
             outs.append(o_n)
             finals.append(h_n)
         o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)

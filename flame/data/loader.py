@@ -151,7 +151,8 @@ class DataLoader:
         if not rows:
             raise StopIteration
         windows = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
+        # separate contiguous tensors: a consumer that masks labels in place leaves inputs intact
+        return {"input_ids": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous()}
 
     def _varlen_batch(self, window: np.ndarray) -> dict[str, torch.Tensor]:
         inputs = window[:-1]
@@ -159,7 +160,7 @@ class DataLoader:
         cu = segment_bounds(starts, len(inputs), self.context_len)
         positions = np.arange(len(inputs)) - np.repeat(cu[:-1], np.diff(cu))
         window = torch.from_numpy(window.astype(np.int64))
-        return {"input_ids": window[None, :-1], "labels": window[None, 1:],
+        return {"input_ids": window[None, :-1].contiguous(), "labels": window[None, 1:].contiguous(),
                 "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
                 "position_ids": torch.from_numpy(positions)[None]}
 

@@ -5,6 +5,8 @@ sub-chunks of S, pairs in the same sub-chunk get their exact exponent, and pairs
 use the reference-point factorisation of kernels.md 1.3, with the reference at the last position
 before the query sub-chunk, so that both factors are <= 1 for any decay. Masked pairs get an
 exponent of -inf by a select before exp(), so neither values nor gradients can turn into NaN.
+decayed_scores has a hand-written backward that recomputes the factors instead of saving the
+[S, S, K] pair tensors, and gets the gate gradients from identity I2 (kernels.md 0.3).
 """
 
 from __future__ import annotations
@@ -54,41 +56,93 @@ def _masks(C: int, sub: int, inclusive: bool, device) -> tuple[torch.Tensor, tor
     return within, earlier
 
 
+def _score_factors(x, gx, g, inclusive, sub):
+    """The decay factors of decayed_scores, every exponent <= 0 (masked ones -inf).
+
+    Returns (E [..., NS, S, S, K] exact pair factors inside a sub-chunk, Q [..., NS, S, K] query
+    factors to the sub-chunk reference, R [..., NS, C, K] key factors to each reference)."""
+    C = x.shape[-2]
+    NS = C // sub
+    within, earlier = _masks(C, sub, inclusive, x.device)
+    gxs, gs = _split(gx, sub), _split(g, sub)
+    E = torch.exp(torch.where(within[:, :, None], gxs[..., :, None, :] - gs[..., None, :, :], float("-inf")))
+    ref = _references(g, sub)                                                 # [..., NS, K]
+    Q = torch.exp(gxs - ref[..., :, None, :])
+    R = torch.exp(torch.where(earlier[:, :, None], ref[..., :, None, :] - g[..., None, :, :], float("-inf")))
+    return E, Q, R, NS
+
+
+class _DecayedScores(torch.autograd.Function):
+    """decayed_scores with a hand-written backward: the factors are recomputed (not saved), and
+    the gate gradients follow identity I2 (kernels.md 0.3): dgx = x * dx and dg = -sum_y y * dy."""
+
+    @staticmethod
+    def forward(ctx, x, gx, g, inclusive, sub, *ys):
+        ctx.save_for_backward(x, gx, g, *ys)
+        ctx.inclusive, ctx.sub = inclusive, sub
+        C = x.shape[-2]
+        E, Q, R, NS = _score_factors(x, gx, g, inclusive, sub)
+        xs = _split(x, sub)
+        x_pair = xs[..., :, None, :] * E                                      # [..., NS, S, S, K]
+        x_ref = xs * Q                                                        # [..., NS, S, K]
+        same_block = torch.eye(NS, dtype=torch.bool, device=x.device)[:, None, :, None]
+        lead = x.shape[:-2]
+        scores = []
+        for y in ys:
+            diag = (x_pair * _split(y, sub)[..., None, :, :]).sum(-1)         # [..., NS, S, S]
+            off = x_ref @ (y[..., None, :, :] * R).transpose(-1, -2)          # [..., NS, S, C]
+            off = off.reshape(*lead, NS, sub, NS, sub)
+            scores.append(torch.where(same_block, diag[..., :, :, None, :], off).reshape(*lead, C, C))
+        return tuple(scores)
+
+    @staticmethod
+    def backward(ctx, *dMs):
+        x, gx, g, *ys = ctx.saved_tensors
+        sub = ctx.sub
+        C, K = x.shape[-2:]
+        lead = x.shape[:-2]
+        E, Q, R, NS = _score_factors(x, gx, g, ctx.inclusive, sub)
+        xs = _split(x, sub)
+        x_pair = xs[..., :, None, :] * E
+        x_ref = xs * Q
+        dx_pair = torch.zeros_like(x_pair)
+        dx_ref = torch.zeros_like(x_ref)
+        dys = []
+        dg = torch.zeros_like(g)
+        for y, dM in zip(ys, dMs):
+            if dM is None:
+                dys.append(None)
+                continue
+            blocks = dM.reshape(*lead, NS, sub, NS, sub)
+            dD = torch.diagonal(blocks, dim1=-4, dim2=-2).movedim(-1, -3)    # [..., NS, S(t), S(j)]
+            dO = dM.reshape(*lead, NS, sub, C)                                # off-block part; R is 0 elsewhere
+            ys_ = _split(y, sub)
+            dx_pair = dx_pair + dD[..., None] * ys_[..., None, :, :]
+            dy = (dD[..., None] * x_pair).sum(-3).reshape(*lead, C, K)
+            y_ref = y[..., None, :, :] * R                                    # [..., NS, C, K]
+            dx_ref = dx_ref + dO @ y_ref
+            dy = dy + ((dO.transpose(-1, -2) @ x_ref) * R).sum(-3)
+            dys.append(dy)
+            dg = dg - y * dy
+        dx = ((dx_pair * E).sum(-2) + dx_ref * Q).reshape(*lead, C, K)
+        return (dx, x * dx, dg, None, None, *dys)
+
+
 def decayed_scores(x: torch.Tensor, gx: torch.Tensor, g: torch.Tensor, ys: tuple[torch.Tensor, ...],
                    inclusive: bool, sub: int = DEFAULT_SUB_CHUNK) -> list[torch.Tensor]:
     """For each y of ys: M[t, j] = sum_i x[t,i] y[j,i] exp(gx[t,i] - g[j,i]) for j <= t (inclusive)
     or j < t, else 0.
 
-    x, gx, g and every y: [..., C, K]; g is the inclusive chunk-local cumsum of the log-decay and gx
-    is g (inclusive queries) or the exclusive cumsum (exclusive queries). The query-side factors
-    are shared by all ys. Returns one [..., C, C] per y.
+    x, gx, g and every y: [..., C, K], all of one shape; g is the inclusive chunk-local cumsum of
+    the log-decay and gx is g (inclusive queries) or the exclusive cumsum (exclusive queries).
+    Returns one [..., C, C] per y. Pairs inside a sub-chunk use their exact exponent; pairs across
+    sub-chunks use the reference at the last position before the query sub-chunk.
     """
     C = x.shape[-2]
     sub = min(sub, C)
     if C % sub:
         raise ValueError(f"chunk size {C} must be a multiple of the sub-chunk size {sub}")
-    NS = C // sub
-    within, earlier = _masks(C, sub, inclusive, x.device)
-    xs, gxs, gs = (_split(t, sub) for t in (x, gx, g))
-    lead = x.shape[:-2]
-
-    # pairs inside one sub-chunk: the exact exponent, masked before exp()
-    expo = torch.where(within[:, :, None], gxs[..., :, None, :] - gs[..., None, :, :], float("-inf"))
-    x_pair = xs[..., :, None, :] * torch.exp(expo)                           # [..., NS, S, S, K]
-    # pairs across sub-chunks: reference = cumsum just before the query sub-chunk
-    ref = _references(g, sub)                                                 # [..., NS, K]
-    x_ref = xs * torch.exp(gxs - ref[..., :, None, :])                        # [..., NS, S, K]
-    key_to_ref = torch.exp(torch.where(earlier[:, :, None], ref[..., :, None, :] - g[..., None, :, :],
-                                       float("-inf")))                        # [..., NS, C, K]
-    same_block = torch.eye(NS, dtype=torch.bool, device=x.device)[:, None, :, None]
-
-    scores = []
-    for y in ys:
-        diag = (x_pair * _split(y, sub)[..., None, :, :]).sum(-1)             # [..., NS, S, S]
-        off = x_ref @ (y[..., None, :, :] * key_to_ref).transpose(-1, -2)     # [..., NS, S, C]
-        off = off.reshape(*lead, NS, sub, NS, sub)
-        scores.append(torch.where(same_block, diag[..., :, :, None, :], off).reshape(*lead, C, C))
-    return scores
+    return list(_DecayedScores.apply(x, gx, g, inclusive, sub, *ys))
 
 
 def decayed_mix(A: torch.Tensor, y: torch.Tensor, g: torch.Tensor, sub: int = DEFAULT_SUB_CHUNK) -> torch.Tensor:

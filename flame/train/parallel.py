@@ -155,7 +155,13 @@ def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=index < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # the step objective is already divided by the global token count: sum, do not average
-    model.set_gradient_divide_factor(1.0)
+    # (plain SUM collectives: no PREMUL_SUM, which gloo lacks, and no post-division)
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     logger.info("fsdp: %s mesh %s, params %s, reduce %s", "HSDP" if len(names) > 1 else "FSDP",
                 dict(zip(names, mesh.shape)), mp.param_dtype, mp.reduce_dtype)
 

@@ -37,6 +37,7 @@ from .wy_inverse_triton import unit_lower_inverse
 
 LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
+MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
 
 
 def _interpreting() -> bool:
@@ -233,8 +234,8 @@ def _prepare_kernel(
     m_t = m_r[:, None]
     tl.store(Mqk + p_t, b_Mqk, mask=m_t)
     tl.store(Mqb + p_t, b_Mqb, mask=m_t)
-    tl.store(Gm + p_t, b_G, mask=m_t)
     if STORE_BWD:
+        tl.store(Gm + p_t, b_G, mask=m_t)
         tl.store(Tm + p_t, b_Tm, mask=m_t)
         tl.store(Mak + p_t, b_Mak, mask=m_t)
     o_k = tl.arange(0, BK)
@@ -379,44 +380,42 @@ def _dstate_kernel(
 
 
 @triton.jit
-def _backward_kernel(
-    q, w, k, v, a, b, do, cu_seqlens, chunk_info, scale, lower_bound,
-    Wm, U, Mqk, Mqb, Gm, Tm, Mak, hs, dhs,
-    dq, dw, dk, dv, da, db,
-    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CENTRED: tl.constexpr, PREC: tl.constexpr,
+def _backward_state_kernel(
+    v, do, kt, bt, Wm, U, Mqk, Mqb, Gm, hs, dhs, cu_seqlens, chunk_info,
+    dv, d_qh, d_kt, d_bt, d_W, d_Mqk, d_Mqb, d_G, s_sum,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
+    """All contractions over V of one chunk: dv, and the fp32 gradients of q̂, k̃, b̃, W, M^qk, M^qb,
+    G = Tm M^ak, plus rowsum(S^in * dS^out) for the chunk-total gate term."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    t0, eos, p_k, m_rk, b_q, b_w, b_k, b_a, b_b = _load_chunk(
-        q, w, k, a, b, cu_seqlens, chunk_info, i_c, i_h, scale, H, K, BT, BK)
+    i_n = tl.load(chunk_info + 2 * i_c)
+    i_t = tl.load(chunk_info + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t.to(tl.int64) * BT
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_r = (rows < eos - t0)[:, None]
-    wl = b_w * 1.4426950408889634
-    G = tl.cumsum(wl, 0)
-    Gb = G - wl
-    g_L = tl.sum(wl, 0)
-    e_L = tl.exp2(g_L[None, :] - G)
-    b_kt = b_k * e_L
-    b_bt = b_b * e_L
-    b_ah = b_a * tl.exp2(Gb)
-
+    m_rk = m_r & (o_k < K)[None, :]
+    p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
     p_t = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
     b_W = tl.load(Wm + p_k, mask=m_rk, other=0.0)
+    b_kt = tl.load(kt + p_k, mask=m_rk, other=0.0)
+    b_bt = tl.load(bt + p_k, mask=m_rk, other=0.0)
     b_Mqk = tl.load(Mqk + p_t, mask=m_r, other=0.0)
     b_Mqb = tl.load(Mqb + p_t, mask=m_r, other=0.0)
     b_G = tl.load(Gm + p_t, mask=m_r, other=0.0)
 
-    d_qh = tl.zeros([BT, BK], dtype=tl.float32)
-    d_kt = tl.zeros([BT, BK], dtype=tl.float32)
-    d_bt = tl.zeros([BT, BK], dtype=tl.float32)
-    d_W = tl.zeros([BT, BK], dtype=tl.float32)
-    d_Mqk = tl.zeros([BT, BT], dtype=tl.float32)
-    d_Mqb = tl.zeros([BT, BT], dtype=tl.float32)
-    d_G = tl.zeros([BT, BT], dtype=tl.float32)
-    s_sum = tl.zeros([BK], dtype=tl.float32)
+    a_qh = tl.zeros([BT, BK], dtype=tl.float32)
+    a_kt = tl.zeros([BT, BK], dtype=tl.float32)
+    a_bt = tl.zeros([BT, BK], dtype=tl.float32)
+    a_W = tl.zeros([BT, BK], dtype=tl.float32)
+    a_Mqk = tl.zeros([BT, BT], dtype=tl.float32)
+    a_Mqb = tl.zeros([BT, BT], dtype=tl.float32)
+    a_G = tl.zeros([BT, BT], dtype=tl.float32)
+    a_s = tl.zeros([BK], dtype=tl.float32)
     h_base = (i_c.to(tl.int64) * H + i_h) * K * V
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -431,38 +430,76 @@ def _backward_kernel(
         b_U = tl.load(U + p_v, mask=m_r & m_v, other=0.0)
         b_P = b_U + tl.dot(b_W, S, input_precision=PREC)
         b_dP = tl.dot(tl.trans(b_Mqb), b_do, input_precision=PREC) + tl.dot(b_bt, dS, input_precision=PREC)
-        d_qh += tl.dot(b_do, tl.trans(S), input_precision=PREC)
-        d_kt += tl.dot(b_v, tl.trans(dS), input_precision=PREC)
-        d_bt += tl.dot(b_P, tl.trans(dS), input_precision=PREC)
-        d_W += tl.dot(b_dP, tl.trans(S), input_precision=PREC)
-        s_sum += tl.sum(S * dS, 1)
-        d_Mqk += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        d_Mqb += tl.dot(b_do, tl.trans(b_P), input_precision=PREC)
-        d_G += tl.dot(b_dP, tl.trans(b_v), input_precision=PREC)
+        a_qh += tl.dot(b_do, tl.trans(S), input_precision=PREC)
+        a_kt += tl.dot(b_v, tl.trans(dS), input_precision=PREC)
+        a_bt += tl.dot(b_P, tl.trans(dS), input_precision=PREC)
+        a_W += tl.dot(b_dP, tl.trans(S), input_precision=PREC)
+        a_s += tl.sum(S * dS, 1)
+        a_Mqk += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        a_Mqb += tl.dot(b_do, tl.trans(b_P), input_precision=PREC)
+        a_G += tl.dot(b_dP, tl.trans(b_v), input_precision=PREC)
         b_dv = tl.dot(tl.trans(b_Mqk), b_do, input_precision=PREC) + tl.dot(b_kt, dS, input_precision=PREC) \
             + tl.dot(tl.trans(b_G), b_dP, input_precision=PREC)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_r & m_v)
+    tl.store(d_qh + p_k, a_qh, mask=m_rk)
+    tl.store(d_kt + p_k, a_kt, mask=m_rk)
+    tl.store(d_bt + p_k, a_bt, mask=m_rk)
+    tl.store(d_W + p_k, a_W, mask=m_rk)
+    tl.store(d_Mqk + p_t, a_Mqk, mask=m_r)
+    tl.store(d_Mqb + p_t, a_Mqb, mask=m_r)
+    tl.store(d_G + p_t, a_G, mask=m_r)
+    tl.store(s_sum + (i_c.to(tl.int64) * H + i_h) * K + o_k, a_s, mask=o_k < K)
 
+
+@triton.jit
+def _backward_intra_kernel(
+    q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
+    Tm, Mak, d_qh, d_kt, d_bt, d_W, d_Mqk, d_Mqb, d_G, s_sum,
+    dq, dw, dk, da, db,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, PREC: tl.constexpr,
+):
+    """The WY backward (dM^ab = strict(Tm^T dTm Tm^T)), the intra backward of either regime, the gated
+    vectors, and dw by identity I2."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, eos, p_k, m_rk, b_q, b_w, b_k, b_a, b_b = _load_chunk(
+        q, w, k, a, b, cu_seqlens, chunk_info, i_c, i_h, scale, H, K, BT, BK)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_r = (rows < eos - t0)[:, None]
+    wl = b_w * 1.4426950408889634
+    G = tl.cumsum(wl, 0)
+    Gb = G - wl
+    g_L = tl.sum(wl, 0)
+    e_L = tl.exp2(g_L[None, :] - G)
+    b_ah = b_a * tl.exp2(Gb)
+    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
     incl = rows[:, None] >= cols[None, :]
     strict = rows[:, None] > cols[None, :]
-    d_Mqk = tl.where(incl, d_Mqk, 0.0)
-    d_Mqb = tl.where(incl, d_Mqb, 0.0)
 
     # WY backward: W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1
     b_Tm = tl.load(Tm + p_t, mask=m_r, other=0.0)
     b_Mak = tl.load(Mak + p_t, mask=m_r, other=0.0)
-    d_Tm = tl.dot(d_G, tl.trans(b_Mak), input_precision=PREC) + tl.dot(d_W, tl.trans(b_ah), input_precision=PREC)
-    d_Mak = tl.where(strict, tl.dot(tl.trans(b_Tm), d_G, input_precision=PREC), 0.0)
-    d_ah = tl.dot(tl.trans(b_Tm), d_W, input_precision=PREC)
+    b_dG = tl.load(d_G + p_t, mask=m_r, other=0.0)
+    b_dW = tl.load(d_W + p_k, mask=m_rk, other=0.0)
+    d_Tm = tl.dot(b_dG, tl.trans(b_Mak), input_precision=PREC) + tl.dot(b_dW, tl.trans(b_ah), input_precision=PREC)
+    d_Mak = tl.where(strict, tl.dot(tl.trans(b_Tm), b_dG, input_precision=PREC), 0.0)
+    d_ah = tl.dot(tl.trans(b_Tm), b_dW, input_precision=PREC)
     d_Mab = tl.dot(tl.dot(tl.trans(b_Tm), d_Tm, input_precision=PREC), tl.trans(b_Tm), input_precision=PREC)
     d_Mab = tl.where(strict, d_Mab, 0.0)
+    d_Mqk = tl.where(incl, tl.load(d_Mqk + p_t, mask=m_r, other=0.0), 0.0)
+    d_Mqb = tl.where(incl, tl.load(d_Mqb + p_t, mask=m_r, other=0.0), 0.0)
 
     # gated vectors q̂ = q e^Γ, k̃ = k e^{Γ_L-Γ}, b̃ = b e^{Γ_L-Γ}, Â = a e^Γ̄
-    b_dq = d_qh * tl.exp2(G)
-    b_dk = d_kt * e_L
-    b_db = d_bt * e_L
+    a_kt = tl.load(d_kt + p_k, mask=m_rk, other=0.0)
+    a_bt = tl.load(d_bt + p_k, mask=m_rk, other=0.0)
+    b_dq = tl.load(d_qh + p_k, mask=m_rk, other=0.0) * tl.exp2(G)
+    b_dk = a_kt * e_L
+    b_db = a_bt * e_L
     b_da = d_ah * tl.exp2(Gb)
-    g_last = tl.exp2(g_L) * s_sum + tl.sum(b_kt * d_kt + b_bt * d_bt, 0)
+    b_s = tl.load(s_sum + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
+    g_last = tl.exp2(g_L) * b_s + tl.sum(b_k * b_dk + b_b * b_db, 0)
 
     if CENTRED:
         if tl.min(tl.where(m_rk, b_w, 0.0)) >= lower_bound:
@@ -536,6 +573,8 @@ class _Plan:
         self.BK = max(triton.next_power_of_2(K), 16)
         self.BV = _state_block_v(self.BK, V)
         self.NV = triton.cdiv(V, self.BV)
+        # the scans keep loads of the next chunk in flight (2 stages) only where shared memory allows
+        self.scan_stages = 2 if self.BK <= 64 else 1
         self.cu, self.chunk_info, self.chunk_offsets, self.N = _chunk_layout(B, T, self.BT, cu_seqlens, r.device)
         self.NT = self.chunk_info.shape[0]
         interp = _interpreting()
@@ -549,7 +588,7 @@ def _prepare(plan, q, w, k, v, a, b, scale, store_bwd):
     out = dict(
         qh=torch.empty(B, T, H, K, **f32), kt=torch.empty(B, T, H, K, **f32), bt=torch.empty(B, T, H, K, **f32),
         Wm=torch.empty(B, T, H, K, **f32), U=torch.empty(B, T, H, V, **f32),
-        Mqk=torch.empty(B, T, H, BT, **f32), Mqb=torch.empty(B, T, H, BT, **f32), Gm=torch.empty(B, T, H, BT, **f32),
+        Mqk=torch.empty(B, T, H, BT, **f32), Mqb=torch.empty(B, T, H, BT, **f32), Gm=torch.empty(B, T, H, BT, **f32) if store_bwd else None,
         Tm=torch.empty(B, T, H, BT, **f32) if store_bwd else None,
         Mak=torch.empty(B, T, H, BT, **f32) if store_bwd else None,
         gL=torch.empty(plan.NT, H, K, **f32),
@@ -560,7 +599,7 @@ def _prepare(plan, q, w, k, v, a, b, scale, store_bwd):
         out["Mak"], out["gL"],
         H=H, K=K, V=V, BT=BT, BK=plan.BK, BV=min(max(triton.next_power_of_2(V), 16), 64),
         CENTRED=plan.centred, STORE_BWD=store_bwd, QK_BF16=plan.qk_bf16, PREC=plan.prec,
-        num_warps=4 if BT <= 32 else 8,
+        num_warps=4 if BT <= 32 else 8, num_stages=1,
     )
     return out
 
@@ -580,7 +619,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
         _state_kernel[(plan.N * H, plan.NV)](
             v, pre["Wm"], pre["U"], pre["kt"], pre["bt"], pre["gL"], h0, hs, ht, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
-            PREC=plan.prec, num_warps=4,
+            PREC=plan.prec, num_warps=4, num_stages=plan.scan_stages,
         )
         o = torch.empty_like(v)
         _output_kernel[(plan.NT, H * plan.NV)](
@@ -609,16 +648,27 @@ class ChunkRWKV7Function(torch.autograd.Function):
             do, pre["qh"], pre["Wm"], pre["bt"], pre["Mqb"], pre["gL"],
             dht.contiguous() if dht is not None else None, dhs, dh0, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=ctx.has_h0,
-            PREC=plan.prec, num_warps=4,
+            PREC=plan.prec, num_warps=4, num_stages=plan.scan_stages,
         )
         dr, dw, dk, da, db = (torch.empty_like(x) for x in (r, w, k, a, b))
         dv = torch.empty_like(v)
-        _backward_kernel[(plan.NT, H)](
-            r, w, k, v, a, b, do, plan.cu, plan.chunk_info, scale, plan.lower_bound,
-            pre["Wm"], pre["U"], pre["Mqk"], pre["Mqb"], pre["Gm"], pre["Tm"], pre["Mak"], hs, dhs,
-            dr, dw, dk, dv, da, db,
-            H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=min(max(triton.next_power_of_2(V), 16), 64 if plan.BK <= 64 else 32),
-            CENTRED=plan.centred, PREC=plan.prec, num_warps=4 if plan.BT <= 32 else 8,
+        B, T, BT = plan.B, plan.T, plan.BT
+        f32 = dict(dtype=torch.float32, device=r.device)
+        g_qh, g_kt, g_bt, g_W = (torch.empty(B, T, H, K, **f32) for _ in range(4))
+        g_Mqk, g_Mqb, g_G = (torch.empty(B, T, H, BT, **f32) for _ in range(3))
+        s_sum = torch.empty(plan.NT, H, K, **f32)
+        _backward_state_kernel[(plan.NT, H)](
+            v, do, pre["kt"], pre["bt"], pre["Wm"], pre["U"], pre["Mqk"], pre["Mqb"], pre["Gm"], hs, dhs,
+            plan.cu, plan.chunk_info, dv, g_qh, g_kt, g_bt, g_W, g_Mqk, g_Mqb, g_G, s_sum,
+            H=H, K=K, V=V, BT=BT, BK=plan.BK, BV=32 if plan.BK <= 64 else 16, PREC=plan.prec, num_warps=4,
+            num_stages=1,
+        )
+        _backward_intra_kernel[(plan.NT, H)](
+            r, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
+            pre["Tm"], pre["Mak"], g_qh, g_kt, g_bt, g_W, g_Mqk, g_Mqb, g_G, s_sum,
+            dr, dw, dk, da, db,
+            H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, PREC=plan.prec,
+            num_warps=4 if BT <= 32 else 8, num_stages=1,
         )
         return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
 
@@ -634,5 +684,10 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)
+    if r.shape[-1] > MAX_CHUNK_K:
+        # the per-chunk tiles of the whole key dimension no longer fit one program (registers, shared
+        # memory); the fused recurrent kernels compute the same function exactly, step by step
+        from .fused_recurrent_triton import fused_recurrent_rwkv7_triton
+        return fused_recurrent_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
     return ChunkRWKV7Function.apply(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                                     gate_lower_bound, cache_intermediates)

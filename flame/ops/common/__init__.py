@@ -12,7 +12,7 @@ The recurrence, per (sequence, head), with a log-gate g_t <= 0 on the key side (
 Using the core (all tensors token-major and contiguous: q, k, g [B, T, H, K], v [B, T, H, V]):
 
     layout = chunk_layout(B, T, cu_seqlens, chunk_size=64, device=q.device)  # varlen: B == 1
-    DT     = dot_dtype(v.dtype)                   # tensor-core operand dtype (fp32 when interpreting)
+    DT     = dot_dtype(v.dtype, K)                # tensor-core operand dtype
     BK, BV = block_sizes(K, V)
     # forward
     gc     = chunk_local_cumsum(g, layout)                                   # fp32, * log2(e)
@@ -52,10 +52,12 @@ from .state import chunk_state_bwd, chunk_state_fwd
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def dot_dtype(dtype: torch.dtype):
-    """The operand dtype of tl.dot for inputs of `dtype`: the input dtype on the GPU, fp32 under the
-    Triton interpreter (where tl.dot on bf16 operands is wrong)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+def dot_dtype(dtype: torch.dtype, K: int | None = None):
+    """The operand dtype of tl.dot (see `intra.mm`) for inputs of `dtype`: the input dtype, except
+    fp32 products (no TF32) when the key width K < 32 (cheap products; 16-wide tensor-core tiles
+    gain nothing), and for float64 under the interpreter (float64 is refused on the GPU). Under
+    the interpreter 16-bit products are emulated exactly (operands rounded, fp32 multiply)."""
+    if (K is not None and K < 32) or (dtype == torch.float64 and os.environ.get("TRITON_INTERPRET") == "1"):
         return tl.float32
     if dtype not in _TL_DTYPES:
         raise TypeError(f"the Triton GLA kernels take float32, float16 or bfloat16 inputs, got {dtype} "

@@ -9,16 +9,24 @@ Conventions shared by every kernel of flame.ops.common (one (sequence, head, chu
   select, never by multiplying).
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
 def mm(a, b, DT: tl.constexpr):
-    """a @ b with fp32 accumulation; operands cast to DT (the input dtype, or fp32 under the
-    interpreter and for fp32 inputs, where the product is computed in full fp32, no TF32)."""
+    """a @ b with fp32 accumulation and operands rounded to DT (the input dtype). fp32 operands
+    are multiplied in full fp32 (no TF32). Under the interpreter, where tl.dot on 16-bit operands
+    is wrong, the operands are rounded to DT and multiplied in fp32: the same numbers as the GPU's
+    tensor cores (exact products of 16-bit values, fp32 accumulation)."""
     if DT == tl.float32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif INTERPRET:
+        return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a.to(DT), b.to(DT))
 

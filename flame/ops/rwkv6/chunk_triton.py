@@ -22,7 +22,7 @@ class ChunkRWKV6Function(torch.autograd.Function):
         B, T, H, K = r.shape
         V = v.shape[-1]
         layout = chunk_layout(B, T, cu_seqlens, chunk_size, r.device)
-        DT = dot_dtype(v.dtype)
+        DT = dot_dtype(v.dtype, K)
         BK, BV = block_sizes(K, V)
         h0 = initial_state.float().contiguous() if initial_state is not None else None
         gc = chunk_local_cumsum(w, layout)
@@ -38,7 +38,7 @@ class ChunkRWKV6Function(torch.autograd.Function):
         r, k, v, w, u, h0 = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         K, V = r.shape[-1], v.shape[-1]
-        DT = dot_dtype(v.dtype)
+        DT = dot_dtype(v.dtype, K)
         BK, BV = block_sizes(K, V)
         do = do.contiguous()
         dht = dht.float().contiguous() if dht is not None else None

@@ -279,20 +279,23 @@ def main(argv=None) -> None:
         op = REGISTRY[name]
         fla_fn = op.fla() if op.fla is not None else None
         for i, shape in enumerate(op.shapes):
-            inputs = op.make_inputs(dtype, "cuda", **shape)
-            f_fwd, f_all = _time(op.flame, inputs)
-            if fla_fn is not None:
-                r_fwd, r_all = _time(fla_fn, inputs)
-                cmp = f"{r_fwd:>10.3f}{f_fwd / r_fwd:>7.2f}", f"{r_all:>10.3f}{f_all / r_all:>7.2f}"
-            else:
-                cmp = f"{'-':>10}{'-':>7}", f"{'-':>10}{'-':>7}"
             label = "_".join(f"{k}{v}" for k, v in shape.items())
-            print(f"{name:<24}{label:<28}{f_fwd:>10.3f}{cmp[0]}{f_all:>11.3f}{cmp[1]}", flush=True)
-            if args.profile and i == 0:
-                _profile(op.flame, inputs, f"flame {name} {label}")
+            try:  # one failing op (or fla version mismatch) must not hide the others' numbers
+                inputs = op.make_inputs(dtype, "cuda", **shape)
+                f_fwd, f_all = _time(op.flame, inputs)
                 if fla_fn is not None:
-                    _profile(fla_fn, inputs, f"fla {name} {label}")
-            del inputs
+                    r_fwd, r_all = _time(fla_fn, inputs)
+                    cmp = f"{r_fwd:>10.3f}{f_fwd / r_fwd:>7.2f}", f"{r_all:>10.3f}{f_all / r_all:>7.2f}"
+                else:
+                    cmp = f"{'-':>10}{'-':>7}", f"{'-':>10}{'-':>7}"
+                print(f"{name:<24}{label:<28}{f_fwd:>10.3f}{cmp[0]}{f_all:>11.3f}{cmp[1]}", flush=True)
+                if args.profile and i == 0:
+                    _profile(op.flame, inputs, f"flame {name} {label}")
+                    if fla_fn is not None:
+                        _profile(fla_fn, inputs, f"fla {name} {label}")
+            except Exception as err:  # noqa: BLE001 - reported, then the next shape runs
+                print(f"{name:<24}{label:<28}FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+            inputs = None
             torch.cuda.empty_cache()
 
 

@@ -55,7 +55,6 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a", encoding="utf-8")
         if cfg.enable_wandb:
             self.wandb_run = _start_wandb(cfg.wandb_project, run_name, dump_folder, config_dict,
                                           wandb_run_id)
@@ -73,8 +72,8 @@ class MetricsLogger:
             return
         if console:
             logger.info(progress_line(record))
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with open(self.path, "a", encoding="utf-8") as f:  # appended line by line: a killed
+            f.write(json.dumps(record) + "\n")                # run loses nothing it logged
         step = record["step"]
         numbers = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -87,11 +86,12 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.enabled:
             return
-        self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+            self.wandb_run = None
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self.tensorboard = None
 
 
 def _start_wandb(project: str, name: str, dump_folder: str, config_dict: dict, run_id: str | None):

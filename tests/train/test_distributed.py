@@ -81,31 +81,38 @@ def ga_config(dump, ga):
 
 
 def two_rank_ga_run(rank: int, dump: str) -> None:
-    trainer = Trainer(ga_config(dump, ga=2), dataloader=())
-    results = []
-    for input_ids, labels in global_batches():
-        rows = slice(4 * rank, 4 * rank + 4)  # rank r: rows 4r..4r+3, as 2 micro-batches
-        results.append(trainer.train_step(split_rows(input_ids[rows], labels[rows], 2)))
-    final = full_params(trainer.model)
-    if rank == 0:
-        torch.save({"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-                    "params": final}, os.path.join(dump, "result.pt"))
+    # FSDP (2 shards), then DDP-style replication (2 replicas of 1 shard), same data
+    for name, replicate in (("fsdp", 1), ("replicate", 2)):
+        cfg = ga_config(os.path.join(dump, name), ga=2)
+        cfg.parallel.data_parallel_replicate_degree = replicate
+        trainer = Trainer(cfg, dataloader=())
+        assert trainer.parallel.dp_world_size == 2
+        results = []
+        for input_ids, labels in global_batches():
+            rows = slice(4 * rank, 4 * rank + 4)  # rank r: rows 4r..4r+3, as 2 micro-batches
+            results.append(trainer.train_step(split_rows(input_ids[rows], labels[rows], 2)))
+        final = full_params(trainer.model)
+        if rank == 0:
+            torch.save({"losses": [r.loss for r in results],
+                        "norms": [r.grad_norm for r in results], "params": final},
+                       os.path.join(dump, f"{name}.pt"))
 
 
 def test_known_failure_4_two_ranks_ga2_equal_one_rank_ga4(tmp_path):
     spawn(two_rank_ga_run, str(tmp_path / "ranks2"))
-    two = torch.load(tmp_path / "ranks2" / "result.pt")
 
     one = Trainer(ga_config(tmp_path / "ranks1", ga=4), dataloader=())
     results = [one.train_step(split_rows(i, l, 2)) for i, l in global_batches()]
-    assert two["losses"] == pytest.approx([r.loss for r in results], rel=1e-6)
-    # the gradient norm (before clipping) shows any averaging over ranks: Adam would hide it
-    assert two["norms"] == pytest.approx([r.grad_norm for r in results], rel=1e-5)
     reference = params(one.model)
-    assert two["params"].keys() == reference.keys()
-    for name, value in reference.items():
-        torch.testing.assert_close(two["params"][name], value, rtol=1e-5, atol=3e-5,
-                                   msg=lambda m: f"{name}: {m}")
+    for name in ("fsdp", "replicate"):
+        two = torch.load(tmp_path / "ranks2" / f"{name}.pt")
+        assert two["losses"] == pytest.approx([r.loss for r in results], rel=1e-6), name
+        # the gradient norm (before clipping) shows any averaging over ranks: Adam hides it
+        assert two["norms"] == pytest.approx([r.grad_norm for r in results], rel=1e-5), name
+        assert two["params"].keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(two["params"][key], value, rtol=1e-5, atol=3e-5,
+                                       msg=lambda m: f"{name} {key}: {m}")
 
 
 # ---- resume with 2 processes ------------------------------------------------------------------

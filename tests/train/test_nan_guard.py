@@ -88,3 +88,23 @@ def test_too_many_consecutive_nan_steps_stop_the_run(trainer):
         trainer.train_step(batches(2))
     hook.remove()
     assert trainer.state.nan_skips == 3
+
+
+def test_nan_recovery_reloads_the_last_good_checkpoint_and_skips_the_data(tmp_path):
+    cfg = tiny_config(tmp_path, training={"steps": 10, "max_consecutive_nan_steps": 2,
+                                          "nan_recovery": True},
+                      checkpoint={"enable": True, "interval": 2})
+    trainer = Trainer(cfg)
+    trainer.train(stop_at_step=2)
+    good = params(trainer.model)
+    trainer.train_step(trainer.next_micro_batches())  # step 3: fine, not checkpointed
+    hook = trainer.model.embeddings.register_forward_hook(lambda m, i, out: out * math.nan)
+    trainer.train_step(trainer.next_micro_batches())  # step 4: skipped
+    trainer.train_step(trainer.next_micro_batches())  # step 5: skipped, second in a row
+    hook.remove()
+    assert trainer.state.step == 2  # back at the checkpoint ...
+    assert_same(params(trainer.model), good)
+    assert trainer.batches_consumed == 5  # ... but the data goes on after the bad window
+    assert (trainer.state.nan_skips, trainer.state.consecutive_nan_skips) == (2, 0)
+    assert not trainer.train_step(trainer.next_micro_batches()).skipped
+    assert trainer.state.step == 3

@@ -33,8 +33,18 @@ the intra-chunk matrix factored around a reference row that lies between the que
 the block); rows beyond a sequence end are selected out of every exponent (exp2(-inf) = 0). No
 atomics: partial sums are written and reduced in PyTorch, so gradients are bitwise reproducible.
 
-Not covered: a gate on the value side (columns of S, GSA pass 1); that pass needs its own
-intra-chunk product, A = q k^T followed by a per-column decayed A v.
+Building blocks for other kernels (flame.ops.common.intra, Triton device functions): `mm` (tl.dot
+with the operand-dtype rule, exact 16-bit emulation under the interpreter), `load_rows`, `load_row`,
+`load_query_gate` and `intra_chunk_matrix`. The state passes work for any gated side by
+transposition: a gate on the columns of S is a gate on the rows of S^T (pass the roles swapped).
+
+Not covered here: the intra-chunk read of a gate on the value side (A = q k^T followed by a
+per-column decayed A v, GSA pass 1); flame.ops.gsa.chunk_triton builds it from these blocks.
+
+Where the time goes (H100, bf16, B8 T2048 H16 K=V=64, forward + backward 3.14 ms vs fla's 2.96):
+the dq/dk/dg kernel 1.59 ms (its 16-step diagonal loop with gathers and [64, 64] select-reductions),
+the output and dv kernels 0.42 ms each (the intra-chunk matrix, computed in both), the state
+passes about 0.09 ms each, the cumsum 0.035 ms.
 """
 
 import os

@@ -89,8 +89,8 @@ def setup_parallel(cfg, device: torch.device) -> ParallelState:
         dist.init_process_group(backend=backend)
 
     # size-1 mesh axes use the "fake" backend, which this import registers
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401
 
     titan_parallel_dims.device_type = device.type  # torchtitan assumes CUDA otherwise
     par = cfg.parallel

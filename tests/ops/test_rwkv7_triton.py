@@ -252,6 +252,12 @@ def test_head_dims(op, K, V):
     check_against_naive(op, rwkv7_inputs(T=20, K=K, V=V))
 
 
+def test_large_key_dim_uses_recurrent_kernels():
+    """K > 128 does not fit the chunk kernels' per-chunk tiles: chunk_rwkv7_triton computes it with the
+    fused recurrent kernels, still exact."""
+    check_against_naive(chunk_centred, rwkv7_inputs(T=6, K=160, V=16))
+
+
 def test_deterministic_backward(op):
     """Hazard 17: no atomics; two runs give bitwise-equal outputs and gradients."""
     inputs = rwkv7_inputs(T=40, H=2)

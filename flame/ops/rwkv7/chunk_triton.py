@@ -12,9 +12,11 @@ Kernels, forward: `_prepare` (one program per chunk and head: cumsum, the four M
 inverse, W, G, U, gated vectors), `_state` (the sequential scan over chunks, one program per
 sequence*head and V-block, whole K), `_output` (one program per chunk, head and V-block).
 Backward: `_prepare` again unless its outputs were cached, `_dstate` (reverse scan, dS^out of every
-chunk and dh0), and `_backward` (one program per chunk and head: all V-contractions, dv, the WY
-backward dM^ab = strict(Tm^T dTm Tm^T), the intra backward and dw by the reverse cumsum of
-identity I2). No atomics anywhere: the backward is deterministic.
+chunk and dh0), `_backward_state` (one program per chunk and head: every contraction over V, and
+dv), and `_backward_intra` (one program per chunk and head: the WY backward
+dM^ab = strict(Tm^T dTm Tm^T), the intra backward and dw by the reverse cumsum of identity I2).
+No atomics anywhere: the backward is deterministic. Head dims K > 128 do not fit one program's
+tiles and run on the fused recurrent kernels instead.
 
 Intra regimes (kernels.md 2.3):
 - exact per-pair exponents (any gate): a loop over the key column with exponents Γ_τ - Γ_j <= 0;

@@ -278,15 +278,16 @@ def test_gpu_bf16_long(name, decay):
 @pytest.mark.gpu
 @pytest.mark.parametrize("decay", ["strong", "weak", "extreme"])
 def test_gpu_chunk_vs_recurrent_bf16(decay):
-    """Chunk against fused recurrent in bf16 at realistic size (B2 T4096 H4 K=V=256 M64), GQA off."""
+    """Chunk against fused recurrent in bf16 at realistic size (B2 T4096 H4 K=V=256 M64), GQA off.
+    Each is within 1e-2 of the fp64 oracle (test_gpu_bf16_long); their difference within 2e-2."""
     inputs = gsa_inputs(B=2, T=4096, H=4, K=256, V=256, M=64, dtype=torch.bfloat16, decay=decay)
     oc, fc, gc = _run(OPS["chunk"], inputs, 1.0)
     orr, fr, gr = _run(OPS["fused_recurrent"], inputs, 1.0)
-    assert_close("o", orr, oc, 1e-2)
-    assert_close("hk_final", fr[0], fc[0], 1e-2)
-    assert_close("hv_final", fr[1], fc[1], 1e-2)
+    assert_close("o", orr, oc, 2e-2)
+    assert_close("hk_final", fr[0], fc[0], 2e-2)
+    assert_close("hv_final", fr[1], fc[1], 2e-2)
     for name in gr:
-        assert_close(f"d{name}", gr[name], gc[name], 1e-2)
+        assert_close(f"d{name}", gr[name], gc[name], 2e-2)
 
 
 @pytest.mark.gpu

@@ -217,6 +217,19 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, dq, dk, ds, dg, cu_seqlens, chu
     tl.store(dg + off, dg_, mask=m)
 
 
+# V-block width of the pass-V output and dv kernels of the core: each V-block recomputes the
+# intra-chunk matrix, so wider blocks recompute it less often (at more registers per program)
+_VALUE_BLOCK = 64
+
+
+# warps of the column-gated read kernels (_slots_fwd_kernel, _slots_bwd_kernel)
+_SLOT_WARPS = 4
+
+
+def _value_block(V: int) -> int:
+    return min(_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))
+
+
 def _slot_blocks(K: int, M: int) -> tuple[int, int]:
     return min(64, max(16, triton.next_power_of_2(K))), max(16, triton.next_power_of_2(M))
 
@@ -230,7 +243,7 @@ def slots_fwd(q, k, s, gc, hk, layout, scale, DT):
     p = torch.empty_like(z)
     _slots_fwd_kernel[(layout.num_chunks, H)](
         q, k, s, gc, hk, z, p, layout.cu_seqlens, layout.chunk_indices, scale,
-        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=DT, num_warps=4)
+        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=DT, num_warps=_SLOT_WARPS)
     return z, p
 
 
@@ -244,7 +257,7 @@ def slots_bwd(q, k, s, gc, hk, dhk, z, dz, layout, scale, DT):
     dg = torch.empty_like(ds)
     _slots_bwd_kernel[(layout.num_chunks, H)](
         q, k, s, gc, hk, dhk, z, dz, dq, dk, ds, dg, layout.cu_seqlens, layout.chunk_indices, scale,
-        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=DT, num_warps=4)
+        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=DT, num_warps=_SLOT_WARPS)
     return dq, dk, ds, dg
 
 
@@ -291,8 +304,8 @@ class ChunkGSAFunction(torch.autograd.Function):
         DT = dot_dtype(q.dtype)
         gc, hk, hkT, hv, hvT = _forward_states(q, k_, v_, s_, g_, hk0T, hv0_, layout, DT, output_final_state)
         z, p = slots_fwd(q, k_, s_, gc, hk, layout, scale, DT)
-        BM, BV = block_sizes(M, V)
-        o = chunk_output_fwd(p, s_, v_, gc, hv, layout, 1.0, False, None, DT, BM, BV)
+        BM, _ = block_sizes(M, V)
+        o = chunk_output_fwd(p, s_, v_, gc, hv, layout, 1.0, False, None, DT, BM, _value_block(V))
         if output_final_state:
             hkT = hkT[:, ::NG].transpose(-1, -2).contiguous()
             hvT = hvT[:, ::NG].contiguous()
@@ -324,7 +337,7 @@ class ChunkGSAFunction(torch.autograd.Function):
         dhv, dhv0 = chunk_state_bwd(p, do, gc, layout, dhvT_, 1.0, False, hv0_ is not None, DT)
         s32 = s_.float()
         dp, ds_v, dg_v, _ = chunk_dqkg_bwd(p, s32, v_, gc, gc, None, hv, do, dhv, layout, 1.0, False, DT, BM, BV)
-        dv = chunk_dv_bwd(p, s_, v_, gc, None, do, dhv, layout, 1.0, False, DT, BM, BV)
+        dv = chunk_dv_bwd(p, s_, v_, gc, None, do, dhv, layout, 1.0, False, DT, BM, _value_block(V))
         # softmax over slots, fp32
         dz = p * (dp - (p * dp).sum(-1, keepdim=True))
         # pass K: transposed state gradients from the core, then the column-gated read backward

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .intra import intra_chunk_matrix, load_query_gate, load_row, load_rows, mm
+from .intra import intra_chunk_matrix, load_query_gate, load_row, load_rows, mm, mm_tf32
 from .layout import ChunkLayout
 
 
@@ -86,13 +86,13 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dq, dk, dg, du, cu_seqlens, chunk_in
         ref = tl.minimum(s * BC - 1, Tc - 1)
         gn = load_row(gc, t0, ref, i_h, ck, m_k, H, K)
         ks = kk * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
-        dq_ += mm(dA, ks, DT) * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
+        dq_ += mm_tf32(dA, ks, DT) * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
     # keys of sub-chunk s against the queries after it (reference: the last row of s)
     for s in tl.static_range(0, BT // BC - 1):
         ref = tl.minimum(s * BC + BC - 1, Tc - 1)
         gm = load_row(gc, t0, ref, i_h, ck, m_k, H, K)
         qs = qq * tl.exp2(tl.where(((rows >= (s + 1) * BC) & m_t)[:, None], gq - gm[None, :], float("-inf")))
-        dk_ += mm(tl.trans(dA), qs, DT) * tl.exp2(
+        dk_ += mm_tf32(tl.trans(dA), qs, DT) * tl.exp2(
             tl.where(((blk == s) & m_t)[:, None], gm[None, :] - gk, float("-inf")))
     # diagonal sub-blocks, pair by pair: column c of every sub-chunk at once
     for c in range(0, BC):
@@ -150,7 +150,7 @@ def _dv_kernel(q, k, gc, u, do, dh, dv, cu_seqlens, chunk_indices, scale,
 
     A = intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale, H, K, BT, BC, BK, EXCLUSIVE, HAS_U, DT)
     dd = load_rows(do, t0, rows, m_t, i_h, cv, m_v, H, V)
-    acc = mm(tl.trans(A), dd, DT)
+    acc = mm_tf32(tl.trans(A), dd, DT)
     for i_k in tl.static_range(0, triton.cdiv(K, BK)):
         ck = i_k * BK + tl.arange(0, BK)
         m_k = ck < K

@@ -32,6 +32,26 @@ def mm(a, b, DT: tl.constexpr):
 
 
 @triton.jit
+def _truncate_to_tf32(x):
+    """x with its mantissa cut to TF32's 10 bits (the interpreter's stand-in for TF32 operands)."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mm_tf32(a, b, DT: tl.constexpr):
+    """a @ b for fp32 operands that should not be rounded to 16 bits (e.g. dA, A in the backward;
+    kernels.md 1.4): TF32 products (10-bit mantissas, fp32 accumulation) for 16-bit inputs, full
+    fp32 for fp32 inputs. Under the interpreter TF32 is emulated by truncating the operands."""
+    if DT == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif INTERPRET:
+        return tl.dot(_truncate_to_tf32(a.to(tl.float32)), _truncate_to_tf32(b.to(tl.float32)),
+                      input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+
+
+@triton.jit
 def load_rows(x, t0, rows, m_rows, i_h, cols, m_cols, H, D: tl.constexpr):
     """Rows `rows` (chunk-local) of x [.., H, D] for head i_h, columns `cols`, as fp32 [len(rows), len(cols)]."""
     off = ((t0 + rows)[:, None] * H + i_h) * D + cols[None, :]

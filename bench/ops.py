@@ -3,6 +3,7 @@
     python bench/ops.py                        # every registered op at its shapes
     python bench/ops.py --ops chunk_rwkv6      # a subset
     python bench/ops.py --profile              # also a per-kernel profile of one forward+backward
+    python bench/ops.py --value-checks         # with flame's input value checks (a host sync per call)
 
 Times are medians of `triton.testing.do_bench` (ms): the forward, and forward + backward (the
 backward of <o, do> with a fixed random do). `ratio` is flame / fla (< 1: flame is faster).
@@ -261,6 +262,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ops", default=",".join(REGISTRY), help="comma-separated op names")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--profile", action="store_true", help="print a per-kernel profile of each op's first shape")
+    parser.add_argument("--value-checks", action="store_true",
+                        help="keep flame's input value checks on (one host sync per call; fla has none)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/ops.py needs a CUDA GPU")
@@ -270,7 +273,10 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"unknown ops {unknown}; registered: {list(REGISTRY)}")
 
-    print(f"device: {torch.cuda.get_device_name()}, dtype {args.dtype}, times in ms (median)")
+    from flame.ops.checks import set_value_checks
+    set_value_checks(args.value_checks)
+    print(f"device: {torch.cuda.get_device_name()}, dtype {args.dtype}, times in ms (median), "
+          f"flame value checks {'on' if args.value_checks else 'off'}")
     header = f"{'op':<24}{'shape':<28}{'flame fwd':>10}{'fla fwd':>10}{'ratio':>7}" \
              f"{'flame f+b':>11}{'fla f+b':>10}{'ratio':>7}"
     print(header)

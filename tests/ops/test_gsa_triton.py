@@ -81,8 +81,9 @@ def op(request):
 
 # ------------------------------------------------------------------------------------ hazards
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("decay", ["extreme", "wide", -1e3, -1e4])
+@pytest.mark.parametrize("decay,dtype", [
+    ("extreme", torch.float32), ("extreme", torch.bfloat16), ("wide", torch.float32), ("wide", torch.bfloat16),
+    (-1e3, torch.float32), (-1e4, torch.bfloat16)])
 def test_extreme_log_decays(op, decay, dtype):
     """Hazard 1: log-forget gates down to -150 per step, and constants that underflow exp."""
     check_against_naive(op, gsa_inputs(T=70, decay=decay, dtype=dtype))
@@ -124,7 +125,7 @@ def test_initial_state_k_ne_v(op, K, V):
 @pytest.mark.parametrize("with_dht", [True, False])
 def test_state_gradients(op, with_dht):
     """Hazards 6 and 7: random final-state gradients, and dh0 with and without them."""
-    check_against_naive(op, gsa_inputs(B=2, T=50, H=2), with_dht=with_dht)
+    check_against_naive(op, gsa_inputs(B=2, T=40, H=2), with_dht=with_dht)
 
 
 def test_zero_initial_state_gets_gradient(op):
@@ -200,13 +201,13 @@ def test_head_dims(op, K, V, M):
 
 
 def test_grouped_queries(op):
-    """GQA: HQ = 3 H; gradients of k, v, s, g and the states sum over each query group."""
-    check_against_naive(op, gsa_inputs(T=37, H=2, HQ=6, decay="strong"))
+    """GQA: HQ = 2 H; gradients of k, v, s, g and the states sum over each query group."""
+    check_against_naive(op, gsa_inputs(T=37, H=2, HQ=4, decay="strong"))
 
 
 def test_deterministic_backward(op):
     """Hazard 17: two runs give bitwise-equal gradients."""
-    inputs = gsa_inputs(B=1, T=40, H=2, HQ=4, V=40)
+    inputs = gsa_inputs(T=40, HQ=2, V=40)
     scale = 0.25
     _, _, g1 = _run(op, inputs, scale)
     _, _, g2 = _run(op, inputs, scale)

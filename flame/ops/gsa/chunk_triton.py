@@ -219,7 +219,7 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, dq, dk, ds, dg, cu_seqlens, chu
 
 # V-block width of the pass-V output and dv kernels of the core: each V-block recomputes the
 # intra-chunk matrix, so wider blocks recompute it less often (at more registers per program)
-_VALUE_BLOCK = 64
+_VALUE_BLOCK = 128
 
 
 # warps of the column-gated read kernels (_slots_fwd_kernel, _slots_bwd_kernel)

@@ -110,8 +110,8 @@ def _fwd_values(s, g, v, p, hv0, o, hvT, cu_seqlens, T,
 
 
 @triton.jit
-def _bwd_dp(s, g, v, do, hv0, dp_part, cu_seqlens, T, TOTAL,
-            H: tl.constexpr, NG: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+def _bwd_dp(s, g, v, do, hv0, dp_part, cu_seqlens, T,
+            H: tl.constexpr, NG: tl.constexpr, M: tl.constexpr, V: tl.constexpr, NV: tl.constexpr,
             BM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
@@ -126,8 +126,7 @@ def _bwd_dp(s, g, v, do, hv0, dp_part, cu_seqlens, T, TOTAL,
     b_h = tl.zeros([BM, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(hv0 + i_nh * M * V + o_m[:, None] * V + o_v[None, :], mask=m_mv, other=0.).to(tl.float32)
-    # dp_part: [NV, TOTAL, HQ, M] fp32, TOTAL = B * T tokens
-    part = dp_part + i_v.to(tl.int64) * TOTAL * H * NG * M
+    # dp_part: [B * T, NV, HQ, M] fp32, token-major (int64 offsets through t)
     for t in range(bos, eos):
         b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
         b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
@@ -137,11 +136,11 @@ def _bwd_dp(s, g, v, do, hv0, dp_part, cu_seqlens, T, TOTAL,
             i_hq = i_h * NG + i_g
             b_do = tl.load(do + (t * H * NG + i_hq) * V + o_v, mask=m_v, other=0.).to(tl.float32)
             b_dp = tl.sum(b_h * b_do[None, :], 1)
-            tl.store(part + (t * H * NG + i_hq) * M + o_m, b_dp, mask=m_m)
+            tl.store(dp_part + ((t * NV + i_v) * H * NG + i_hq) * M + o_m, b_dp, mask=m_m)
 
 
 @triton.jit
-def _bwd_dz(q, k, s, g, hk0, p, dp_part, dq, dz, qside, cu_seqlens, scale, T, TOTAL,
+def _bwd_dz(q, k, s, g, hk0, p, dp_part, dq, dz, qside, cu_seqlens, scale, T,
             H: tl.constexpr, NG: tl.constexpr, K: tl.constexpr, M: tl.constexpr, NV: tl.constexpr,
             BK: tl.constexpr, BM: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
@@ -168,7 +167,7 @@ def _bwd_dz(q, k, s, g, hk0, p, dp_part, dq, dz, qside, cu_seqlens, scale, T, TO
             b_p = tl.load(p + off_m, mask=m_m, other=0.)
             b_dp = tl.zeros([BM], dtype=tl.float32)
             for i_v in tl.static_range(NV):
-                b_dp += tl.load(dp_part + i_v * TOTAL * H * NG * M + off_m, mask=m_m, other=0.)
+                b_dp += tl.load(dp_part + ((t * NV + i_v) * H * NG + i_hq) * M + o_m, mask=m_m, other=0.)
             b_dz = b_p * (b_dp - tl.sum(b_p * b_dp, 0))
             b_q = tl.load(q + (t * H * NG + i_hq) * K + o_k, mask=m_k, other=0.).to(tl.float32)
             b_z = tl.sum(b_h * b_q[:, None], 0) * scale
@@ -180,8 +179,8 @@ def _bwd_dz(q, k, s, g, hk0, p, dp_part, dq, dz, qside, cu_seqlens, scale, T, TO
 
 
 @triton.jit
-def _bwd_values(s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T, TOTAL,
-                H: tl.constexpr, NG: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+def _bwd_values(s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T,
+                H: tl.constexpr, NG: tl.constexpr, M: tl.constexpr, V: tl.constexpr, NV: tl.constexpr,
                 BM: tl.constexpr, BV: tl.constexpr,
                 HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
@@ -197,7 +196,6 @@ def _bwd_values(s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T, TOTAL,
     b_dh = tl.zeros([BM, BV], dtype=tl.float32)
     if HAS_DHT:
         b_dh += tl.load(dhvT + i_nh * M * V + o_m[:, None] * V + o_v[None, :], mask=m_mv, other=0.).to(tl.float32)
-    part = dsv_part + i_v.to(tl.int64) * TOTAL * H * M
     for i_t in range(0, eos - bos):
         t = eos - 1 - i_t
         for i_g in tl.static_range(NG):
@@ -211,14 +209,14 @@ def _bwd_values(s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T, TOTAL,
         b_dv = tl.sum(b_dh * b_s[:, None], 0)
         tl.store(dv + (t * H + i_h) * V + o_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
         b_ds = tl.sum(b_dh * b_v[None, :], 1)
-        tl.store(part + (t * H + i_h) * M + o_m, b_ds, mask=m_m)
+        tl.store(dsv_part + ((t * NV + i_v) * H + i_h) * M + o_m, b_ds, mask=m_m)
         b_dh = b_dh * tl.exp(b_g)[:, None]
     if STORE_DH0:
         tl.store(dhv0 + i_nh * M * V + o_m[:, None] * V + o_v[None, :], b_dh, mask=m_mv)
 
 
 @triton.jit
-def _bwd_slots(q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0, cu_seqlens, scale, T, TOTAL,
+def _bwd_slots(q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0, cu_seqlens, scale, T,
                H: tl.constexpr, NG: tl.constexpr, K: tl.constexpr, M: tl.constexpr, NV: tl.constexpr,
                BK: tl.constexpr, BM: tl.constexpr,
                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -252,7 +250,7 @@ def _bwd_slots(q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0,
         tl.store(dk + (t * H + i_h) * K + o_k, b_dk.to(dk.dtype.element_ty), mask=m_k)
         b_ds = tl.sum(b_dh * b_k[:, None], 0)
         for i_v in tl.static_range(NV):
-            b_ds += tl.load(dsv_part + i_v * TOTAL * H * M + off_m, mask=m_m, other=0.)
+            b_ds += tl.load(dsv_part + ((t * NV + i_v) * H + i_h) * M + o_m, mask=m_m, other=0.)
         tl.store(ds + off_m, b_ds.to(ds.dtype.element_ty), mask=m_m)
         b_acc += tl.load(qside + off_m, mask=m_m, other=0.) - b_s * b_ds
         tl.store(dg + off_m, b_acc.to(dg.dtype.element_ty), mask=m_m)
@@ -304,12 +302,11 @@ def fused_recurrent_gsa_bwd(q, k, v, s, g, scale, hk0, hv0, p, do, dhkT, dhvT, d
     BK, BM, BV = max(_next_pow2(K), 16), max(_next_pow2(M), 16), _block_v(V)
     NV = triton.cdiv(V, BV)
     varlen = cu_seqlens is not None
-    TOTAL = B * T
     f32 = dict(device=q.device, dtype=torch.float32)
-    dp_part = torch.empty(NV, B, T, H * NG, M, **f32)
+    dp_part = torch.empty(B, T, NV, H * NG, M, **f32)
     dz = torch.empty(B, T, H * NG, M, **f32)
     qside = torch.empty(B, T, H, M, **f32)
-    dsv_part = torch.empty(NV, B, T, H, M, **f32)
+    dsv_part = torch.empty(B, T, NV, H, M, **f32)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -319,20 +316,20 @@ def fused_recurrent_gsa_bwd(q, k, v, s, g, scale, hk0, hv0, p, do, dhkT, dhvT, d
     dhv0 = torch.empty(N, H, M, V, **f32) if hv0 is not None else None
     has_dht = dhkT is not None
     _bwd_dp[(N * H, NV)](
-        s, g, v, do, hv0, dp_part, cu_seqlens, T, TOTAL,
-        H=H, NG=NG, M=M, V=V, BM=BM, BV=BV, HAS_H0=hv0 is not None, IS_VARLEN=varlen,
+        s, g, v, do, hv0, dp_part, cu_seqlens, T,
+        H=H, NG=NG, M=M, V=V, NV=NV, BM=BM, BV=BV, HAS_H0=hv0 is not None, IS_VARLEN=varlen,
         num_warps=_warps(BM * BV))
     _bwd_dz[(N * H,)](
-        q, k, s, g, hk0, p, dp_part, dq, dz, qside, cu_seqlens, scale, T, TOTAL,
+        q, k, s, g, hk0, p, dp_part, dq, dz, qside, cu_seqlens, scale, T,
         H=H, NG=NG, K=K, M=M, NV=NV, BK=BK, BM=BM, HAS_H0=hk0 is not None, IS_VARLEN=varlen,
         num_warps=_warps(BK * BM))
     _bwd_values[(N * H, NV)](
-        s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T, TOTAL,
-        H=H, NG=NG, M=M, V=V, BM=BM, BV=BV,
+        s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T,
+        H=H, NG=NG, M=M, V=V, NV=NV, BM=BM, BV=BV,
         HAS_DHT=has_dht, STORE_DH0=hv0 is not None, IS_VARLEN=varlen,
         num_warps=_warps(BM * BV))
     _bwd_slots[(N * H,)](
-        q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0, cu_seqlens, scale, T, TOTAL,
+        q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0, cu_seqlens, scale, T,
         H=H, NG=NG, K=K, M=M, NV=NV, BK=BK, BM=BM,
         HAS_DHT=has_dht, STORE_DH0=hk0 is not None, IS_VARLEN=varlen,
         num_warps=_warps(BK * BM))

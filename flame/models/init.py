@@ -1,7 +1,8 @@
 """Initialization helpers shared by the model families.
 
-Every helper computes the new value as a full fp32 tensor on the parameter's device, then copies
-it in. That one path works for plain parameters (any dtype), for parameters materialised from the
+Formula values are computed on the CPU (so they are bitwise the same whatever device the model
+is built on); random values are drawn on the parameter's device. Every helper builds the new value
+as a full fp32 tensor, then copies it in. That one path works for plain parameters (any dtype), for parameters materialised from the
 meta device with `to_empty()`, and for FSDP2-sharded DTensors (each rank computes the same full
 value from the same seed and keeps its own shard, with no communication).
 
@@ -40,11 +41,11 @@ def _fresh(param: torch.Tensor) -> torch.Tensor:
 
 
 def zeros_(param: torch.Tensor) -> None:
-    assign_(param, torch.zeros(param.shape, dtype=torch.float32))
+    assign_(param, torch.zeros(param.shape, dtype=torch.float32, device="cpu"))
 
 
 def constant_(param: torch.Tensor, value: float) -> None:
-    assign_(param, torch.full(param.shape, float(value), dtype=torch.float32))
+    assign_(param, torch.full(param.shape, float(value), dtype=torch.float32, device="cpu"))
 
 
 def uniform_(param: torch.Tensor, bound: float) -> None:
@@ -86,7 +87,7 @@ def channel_ramps(channels: int, head_dim: int) -> dict[str, torch.Tensor]:
     """Per-channel ramps of the official init, fp32 [C]:
     ddd = n / C; ramp = n / (C - 1) (0 -> 1); linear = ramp - 0.5;
     zigzag = z |z| with z = ((n mod N) - (N - 1)/2) / ((N - 1)/2), N = head_dim."""
-    n = torch.arange(channels, dtype=torch.float64)
+    n = torch.arange(channels, dtype=torch.float64, device="cpu")
     ramp = n / (channels - 1) if channels > 1 else torch.zeros_like(n)
     half = (head_dim - 1) / 2
     z = ((n % head_dim) - half) / half if head_dim > 1 else torch.zeros_like(n)

@@ -86,7 +86,7 @@ class RWKV6Attention(nn.Module):
         init.assign_(self.time_decay, -6 + 5 * n_ramp ** (0.7 + 1.3 * r0))
         init.zeros_(self.decay_w1)
         init.uniform_(self.decay_w2, 0.01)
-        n = torch.arange(C, dtype=torch.float32)
+        n = torch.arange(C, dtype=torch.float32, device="cpu")
         bonus = r0 * (1 - n_ramp) + 0.1 * ((n + 1) % 3 - 1)
         init.assign_(self.bonus, bonus.view(self.num_heads, self.head_dim))
         init.rwkv_orthogonal_(self.receptance.weight, 1.0)

@@ -36,8 +36,8 @@ def test_tiny_model_trains_on_a_fixed_batch(family):
             assert torch.isfinite(p.grad).all(), f"{name}: non-finite gradient at step {step}"
         optimizer.step()
         losses.append(loss.item())
-    if family != "gsa":  # RWKV starts at ln(vocab): zero output projections, tiny embeddings
-        assert losses[0] == pytest.approx(torch.log(torch.tensor(float(args.vocab_size))).item(), rel=0.01)
+    uniform = torch.log(torch.tensor(float(args.vocab_size))).item()
+    assert losses[0] < 1.1 * uniform, f"{family}: initial loss {losses[0]:.3f} far above ln(vocab) = {uniform:.3f}"
     assert losses[-1] < losses[0] - 0.5, f"{family}: loss did not fall: {losses}"
 
 

@@ -30,14 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, *args) -> None:
+def spawn(fn, *args, world: int = WORLD) -> None:
     port = free_port()
-    mp.start_processes(_rank_main, args=(fn, port, *args), nprocs=WORLD, join=True,
+    mp.start_processes(_rank_main, args=(fn, port, world, *args), nprocs=world, join=True,
                        start_method="spawn")
 
 
-def _rank_main(rank: int, fn, port: int, *args) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+def _rank_main(rank: int, fn, port: int, world: int, *args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -113,6 +113,36 @@ def test_known_failure_4_two_ranks_ga2_equal_one_rank_ga4(tmp_path):
         for key, value in reference.items():
             torch.testing.assert_close(two["params"][key], value, rtol=1e-5, atol=3e-5,
                                        msg=lambda m: f"{name} {key}: {m}")
+
+
+def four_rank_hsdp_run(rank: int, dump: str) -> None:
+    cfg = ga_config(dump, ga=1)
+    cfg.parallel.data_parallel_replicate_degree = 2  # 2 replicas x 2 shards
+    trainer = Trainer(cfg, dataloader=())
+    assert trainer.parallel.dp_world_size == 4
+    mesh = trainer.model.embeddings.weight.device_mesh
+    assert mesh.mesh_dim_names == ("dp_replicate", "fsdp") and tuple(mesh.shape) == (2, 2)
+    results = []
+    for input_ids, labels in global_batches():
+        rows = slice(2 * rank, 2 * rank + 2)  # rank r: rows 2r, 2r+1
+        results.append(trainer.train_step([{"input_ids": input_ids[rows],
+                                            "labels": labels[rows]}]))
+    final = full_params(trainer.model)
+    if rank == 0:
+        torch.save({"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+                    "params": final}, os.path.join(dump, "hsdp.pt"))
+
+
+def test_known_failure_4_hsdp_four_ranks_equal_one_rank_ga4(tmp_path):
+    spawn(four_rank_hsdp_run, str(tmp_path), world=4)
+    hsdp = torch.load(tmp_path / "hsdp.pt")
+    one = Trainer(ga_config(tmp_path / "ranks1", ga=4), dataloader=())
+    results = [one.train_step(split_rows(i, l, 2)) for i, l in global_batches()]
+    assert hsdp["losses"] == pytest.approx([r.loss for r in results], rel=1e-6)
+    assert hsdp["norms"] == pytest.approx([r.grad_norm for r in results], rel=1e-5)
+    for key, value in params(one.model).items():
+        torch.testing.assert_close(hsdp["params"][key], value, rtol=1e-5, atol=3e-5,
+                                   msg=lambda m: f"{key}: {m}")
 
 
 # ---- resume with 2 processes ------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import json
 import tomllib
+from pathlib import Path
 
 from flame.train.__main__ import main
 
@@ -9,7 +10,7 @@ from flame.train.__main__ import main
 def test_tiny_run_writes_metrics_config_and_checkpoint(tmp_path, monkeypatch):
     dump = tmp_path / "run"
     argv = [
-        "--config", "configs/tiny.toml",
+        "--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"),
         "--job.dump_folder", str(dump),
         "--model.hidden_size", "32", "--model.num_layers", "2", "--model.head_dim", "16",
         "--model.backend", "torch",

@@ -9,7 +9,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from flame.config import ConfigError, load_config
-    from flame.train.trainer import Trainer
+    from flame.train.checkpoint import CheckpointError
+    from flame.train.trainer import NonFiniteTrainingError, Trainer
 
     try:
         cfg = load_config(sys.argv[1:] if argv is None else list(argv))
@@ -18,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         Trainer(cfg).train()
+    except (CheckpointError, NonFiniteTrainingError) as err:
+        print(f"flame-train: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

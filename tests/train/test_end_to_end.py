@@ -35,3 +35,19 @@ def test_tiny_run_writes_metrics_config_and_checkpoint(tmp_path, monkeypatch):
 
     step_dir = dump / "checkpoint" / "step-4"
     assert (step_dir / "COMPLETE").is_file() and (step_dir / ".metadata").is_file()
+
+
+def test_bad_checkpoint_and_bad_config_exit_with_a_message(tmp_path, capsys):
+    assert main(["--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"),
+                 "--training.stepz", "3"]) == 2
+    assert "did you mean 'steps'" in capsys.readouterr().err
+
+    dump = tmp_path / "run"
+    (dump / "checkpoint" / "step-3").mkdir(parents=True)
+    (dump / "checkpoint" / "step-3" / "COMPLETE").write_text("3\n")  # marked, but empty
+    argv = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"),
+            "--job.dump_folder", str(dump), "--model.hidden_size", "32",
+            "--model.num_layers", "1", "--model.head_dim", "16", "--training.device", "cpu"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "CheckpointError" in err and "step-3 is incomplete" in err

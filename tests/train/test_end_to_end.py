@@ -18,6 +18,7 @@ def test_tiny_run_writes_metrics_config_and_checkpoint(tmp_path, monkeypatch):
         "--training.gradient_accumulation_steps", "2", "--training.device", "cpu",
         "--lr_scheduler.warmup_steps", "1",
         "--metrics.log_freq", "2", "--metrics.enable_wandb", "false",
+        "--metrics.enable_tensorboard", "true",
         "--checkpoint.enable", "true", "--checkpoint.interval", "100",
         "--metrics.val_freq", "0",
     ]
@@ -32,6 +33,8 @@ def test_tiny_run_writes_metrics_config_and_checkpoint(tmp_path, monkeypatch):
 
     config = tomllib.loads((dump / "config.toml").read_text())
     assert config["training"]["steps"] == 4 and config["model"]["hidden_size"] == 32
+
+    assert list((dump / "tensorboard").glob("events.out.tfevents.*"))
 
     step_dir = dump / "checkpoint" / "step-4"
     assert (step_dir / "COMPLETE").is_file() and (step_dir / ".metadata").is_file()

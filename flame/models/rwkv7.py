@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.models import init
-from flame.models.causal_lm import CausalLM
-from flame.models.rwkv_common import init_rwkv_embeddings_and_head, matrix_param, rwkv_heads, vector_param
+from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, vector_param
 from flame.models.token_shift import token_shift
 from flame import ops
 
@@ -160,26 +159,9 @@ class RWKV7FeedForward(nn.Module):
         return self.value(torch.relu(self.key(torch.addcmul(x, delta, self.mu_k))).square())
 
 
-class RWKV7Block(nn.Module):
+class RWKV7Block(RWKVBlock):
     def __init__(self, args, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        C, eps = args.hidden_size, args.norm_eps
-        if layer_id == 0:
-            self.pre_norm = nn.LayerNorm(C, eps=eps)
-        self.attn_norm = nn.LayerNorm(C, eps=eps)
-        self.attn = RWKV7Attention(args, layer_id)
-        self.ffn_norm = nn.LayerNorm(C, eps=eps)
-        self.ffn = RWKV7FeedForward(args, layer_id)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        if self.layer_id == 0:
-            self.pre_norm.reset_parameters()
-        self.attn_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attn.init_weights()
-        self.ffn.init_weights()
+        super().__init__(args, layer_id, RWKV7Attention(args, layer_id), RWKV7FeedForward(args, layer_id))
 
     def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None):
         if self.layer_id == 0:
@@ -189,19 +171,10 @@ class RWKV7Block(nn.Module):
         x = x + self.ffn(self.ffn_norm(x), cu_seqlens)
         return x, v_first
 
-    def state_flops_per_token(self) -> int:
-        return self.attn.state_flops_per_token()
 
-
-class RWKV7ForCausalLM(CausalLM):
+class RWKV7ForCausalLM(RWKVCausalLM):
     def _build_layers(self, args) -> list[nn.Module]:
         return [RWKV7Block(args, i) for i in range(args.num_layers)]
-
-    def _build_norm(self, args) -> nn.Module:
-        return nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
-
-    def _init_embeddings_and_head(self) -> None:
-        init_rwkv_embeddings_and_head(self)
 
     def _run_layers(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         v_first = None

@@ -1,5 +1,6 @@
-"""Pieces shared by the two RWKV families: head geometry, free-parameter constructors, and the
-official embedding/head initialisation."""
+"""Pieces shared by the two RWKV families: head geometry, free-parameter constructors, the pre-LN
+block around a family's time mix and channel mix, and the language-model shell with the official
+embedding/head initialisation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from flame.models import init
+from flame.models.causal_lm import CausalLM
 
 
 def rwkv_heads(args) -> tuple[int, int]:
@@ -28,10 +30,45 @@ def matrix_param(rows: int, cols: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(rows, cols))
 
 
-def init_rwkv_embeddings_and_head(model) -> None:
-    """Official RWKV: embeddings U(+-1e-4); head orthogonal with gain 0.5 sqrt(vocab / C) when
-    vocab > C, else 0.5 (skipped when the head is tied to the embeddings)."""
-    init.uniform_(model.embeddings.weight, 1e-4)
-    if not model.tie_word_embeddings:
-        V, C = model.vocab_size, model.hidden_size
-        init.orthogonal_(model.lm_head.weight, 0.5 * math.sqrt(V / C) if V > C else 0.5)
+class RWKVBlock(nn.Module):
+    """Pre-LN block: x += attn(attn_norm x); x += ffn(ffn_norm x); layer 0 first applies
+    `pre_norm` (the official ln0). The family passes its time mix `attn` and channel mix `ffn`
+    and writes `forward` (RWKV7 threads v_first through its blocks)."""
+
+    def __init__(self, args, layer_id: int, attn: nn.Module, ffn: nn.Module):
+        super().__init__()
+        self.layer_id = layer_id
+        C, eps = args.hidden_size, args.norm_eps
+        if layer_id == 0:
+            self.pre_norm = nn.LayerNorm(C, eps=eps)
+        self.attn_norm = nn.LayerNorm(C, eps=eps)
+        self.attn = attn
+        self.ffn_norm = nn.LayerNorm(C, eps=eps)
+        self.ffn = ffn
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        if self.layer_id == 0:
+            self.pre_norm.reset_parameters()
+        self.attn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attn.init_weights()
+        self.ffn.init_weights()
+
+    def state_flops_per_token(self) -> int:
+        return self.attn.state_flops_per_token()
+
+
+class RWKVCausalLM(CausalLM):
+    """The RWKV language model: LayerNorm final norm; the family builds its blocks."""
+
+    def _build_norm(self, args) -> nn.Module:
+        return nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+
+    def _init_embeddings_and_head(self) -> None:
+        """Official RWKV: embeddings U(+-1e-4); head orthogonal with gain 0.5 sqrt(vocab / C) when
+        vocab > C, else 0.5 (skipped when the head is tied to the embeddings)."""
+        init.uniform_(self.embeddings.weight, 1e-4)
+        if not self.tie_word_embeddings:
+            V, C = self.vocab_size, self.hidden_size
+            init.orthogonal_(self.lm_head.weight, 0.5 * math.sqrt(V / C) if V > C else 0.5)

@@ -37,6 +37,28 @@ def from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     return x.permute(0, 2, 3, 1, 4).reshape(B, NC * C, H, D)[:, :T]
 
 
+def per_sequence(run, xs: tuple[torch.Tensor, ...], state, cu_seqlens: torch.Tensor | None):
+    """run(*xs, state) -> (o, final state) on the whole batch, or with cu_seqlens on each packed
+    sequence on its own, so that chunks never cross a boundary.
+
+    xs: [B, T, ...] tensors, cut along T; state: [N, ...] or a tuple of such (GSA's pair), cut along
+    N. Returns (o, final state) with the per-sequence results concatenated along T and N.
+    """
+    if cu_seqlens is None:
+        return run(*xs, state)
+    offsets = cu_seqlens.tolist()
+    outs, finals = [], []
+    for n in range(len(offsets) - 1):
+        seq = slice(offsets[n], offsets[n + 1])
+        state_n = tuple(h[n:n + 1] for h in state) if isinstance(state, tuple) else state[n:n + 1]
+        o_n, final_n = run(*(x[:, seq] for x in xs), state_n)
+        outs.append(o_n)
+        finals.append(final_n)
+    if isinstance(state, tuple):
+        return torch.cat(outs, dim=1), tuple(torch.cat(parts, dim=0) for parts in zip(*finals))
+    return torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+
+
 def _split(x: torch.Tensor, sub: int) -> torch.Tensor:
     """[..., C, D] -> [..., C/sub, sub, D]."""
     return x.reshape(*x.shape[:-2], x.shape[-2] // sub, sub, x.shape[-1])

@@ -17,11 +17,13 @@ from __future__ import annotations
 import torch
 
 from ..decay_chunks import (DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_mix, decayed_scores, from_chunks,
-                            to_chunks)
+                            per_sequence, to_chunks)
 
 
-def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size, sub_chunk):
-    """One batch of equal-length sequences with HQ == H; hk [B,H,K,M], hv [B,H,M,V] in the compute dtype."""
+def _chunk_gsa(q, k, v, s, g, scale, state, chunk_size, sub_chunk):
+    """One batch of equal-length sequences with HQ == H; state = (hk [B,H,K,M], hv [B,H,M,V]) in the
+    compute dtype. Returns (o, (hk, hv))."""
+    hk, hv = state
     dt = hk.dtype
     T = q.shape[1]
     qc, kc, vc, sc_, gc = (to_chunks(x, chunk_size, dt) for x in (q, k, v, s, g))     # [B,H,NC,C,D]
@@ -41,7 +43,7 @@ def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size, sub_chunk):
         hk_in.append(hk)
         hk = hk * chunk_decay[:, :, n] + kc[:, :, n].transpose(-1, -2) @ s_to_end[:, :, n]
     if not hk_in:
-        return q.new_zeros(q.shape[:3] + v.shape[-1:], dtype=dt), hk, hv
+        return q.new_zeros(q.shape[:3] + v.shape[-1:], dtype=dt), (hk, hv)
     z = z + torch.exp(G) * (qc @ torch.stack(hk_in, dim=2))
     p = torch.softmax(z, dim=-1)
 
@@ -52,7 +54,7 @@ def _chunk_gsa(q, k, v, s, g, scale, hk, hv, chunk_size, sub_chunk):
         hv_in.append(hv)
         hv = chunk_decay[:, :, n].transpose(-1, -2) * hv + s_to_end[:, :, n].transpose(-1, -2) @ vc[:, :, n]
     o = (p * torch.exp(G)) @ torch.stack(hv_in, dim=2) + A_ps @ vc
-    return from_chunks(o, T), hk, hv
+    return from_chunks(o, T), (hk, hv)
 
 
 def chunk_gsa_torch(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -75,19 +77,10 @@ def chunk_gsa_torch(q, k, v, s, g, scale=1.0, initial_state=None, output_final_s
         k, v, s, g = (x.repeat_interleave(group, dim=2) for x in (k, v, s, g))
         hk0, hv0 = (h.repeat_interleave(group, dim=1) for h in (hk0, hv0))
 
-    if cu_seqlens is None:
-        o, hk, hv = _chunk_gsa(q, k, v, s, g, scale, hk0, hv0, chunk_size, sub_chunk)
-    else:
-        offsets = cu_seqlens.tolist()
-        outs, hks, hvs = [], [], []
-        for n in range(N):
-            seq = slice(offsets[n], offsets[n + 1])
-            o_n, hk_n, hv_n = _chunk_gsa(q[:, seq], k[:, seq], v[:, seq], s[:, seq], g[:, seq], scale,
-                                         hk0[n:n + 1], hv0[n:n + 1], chunk_size, sub_chunk)
-            outs.append(o_n)
-            hks.append(hk_n)
-            hvs.append(hv_n)
-        o, hk, hv = torch.cat(outs, dim=1), torch.cat(hks, dim=0), torch.cat(hvs, dim=0)
+    def run(q, k, v, s, g, state):
+        return _chunk_gsa(q, k, v, s, g, scale, state, chunk_size, sub_chunk)
+
+    o, (hk, hv) = per_sequence(run, (q, k, v, s, g), (hk0, hv0), cu_seqlens)
     if not output_final_state:
         return o.to(q.dtype), None
     return o.to(q.dtype), (hk[:, ::group], hv[:, ::group])

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decay_chunks import DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_scores, from_chunks, to_chunks
+from ..decay_chunks import (DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_scores, from_chunks,
+                            per_sequence, to_chunks)
 
 
 def _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size, sub_chunk):
@@ -50,20 +51,11 @@ def chunk_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, output_final
     """
     dt = compute_dtype(r.dtype)
     B, T, H, K = r.shape
-    V = v.shape[-1]
-    if cu_seqlens is None:
-        h0 = r.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-        o, final = _chunk_rwkv6(r, k, v, w, u, scale, h0, chunk_size, sub_chunk)
-    else:
-        offsets = cu_seqlens.tolist()
-        N = len(offsets) - 1
-        h0 = r.new_zeros(N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-        outs, finals = [], []
-        for n in range(N):
-            seq = slice(offsets[n], offsets[n + 1])
-            o_n, h_n = _chunk_rwkv6(r[:, seq], k[:, seq], v[:, seq], w[:, seq], u, scale, h0[n:n + 1],
-                                    chunk_size, sub_chunk)
-            outs.append(o_n)
-            finals.append(h_n)
-        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    h0 = r.new_zeros(N, H, K, v.shape[-1], dtype=dt) if initial_state is None else initial_state.to(dt)
+
+    def run(r, k, v, w, state):
+        return _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size, sub_chunk)
+
+    o, final = per_sequence(run, (r, k, v, w), h0, cu_seqlens)
     return o.to(r.dtype), (final if output_final_state else None)

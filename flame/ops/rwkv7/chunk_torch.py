@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decay_chunks import DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_scores, from_chunks, to_chunks
+from ..decay_chunks import (DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_scores, from_chunks,
+                            per_sequence, to_chunks)
 
 
 def _chunk_rwkv7(r, w, k, v, a, b, scale, state, chunk_size, sub_chunk):
@@ -65,20 +66,11 @@ def chunk_rwkv7_torch(r, w, k, v, a, b, scale=1.0, initial_state=None, output_fi
     """
     dt = compute_dtype(r.dtype)
     B, T, H, K = r.shape
-    V = v.shape[-1]
-    if cu_seqlens is None:
-        h0 = r.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-        o, final = _chunk_rwkv7(r, w, k, v, a, b, scale, h0, chunk_size, sub_chunk)
-    else:
-        offsets = cu_seqlens.tolist()
-        N = len(offsets) - 1
-        h0 = r.new_zeros(N, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-        outs, finals = [], []
-        for n in range(N):
-            seq = slice(offsets[n], offsets[n + 1])
-            o_n, h_n = _chunk_rwkv7(r[:, seq], w[:, seq], k[:, seq], v[:, seq], a[:, seq], b[:, seq], scale,
-                                    h0[n:n + 1], chunk_size, sub_chunk)
-            outs.append(o_n)
-            finals.append(h_n)
-        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    h0 = r.new_zeros(N, H, K, v.shape[-1], dtype=dt) if initial_state is None else initial_state.to(dt)
+
+    def run(r, w, k, v, a, b, state):
+        return _chunk_rwkv7(r, w, k, v, a, b, scale, state, chunk_size, sub_chunk)
+
+    o, final = per_sequence(run, (r, w, k, v, a, b), h0, cu_seqlens)
     return o.to(r.dtype), (final if output_final_state else None)

@@ -27,5 +27,23 @@ def build_seeded(args: Model, seed: int = 0):
     return build_model(args)
 
 
+def build_on_meta(args: Model, seed: int, device="cpu"):
+    """The trainer's way: seed, build on the meta device, to_empty(device), init_weights()."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
+def assert_same_state(expected, actual, label: str) -> None:
+    """Two models hold bitwise-equal state dicts (same names, same values)."""
+    want, got = expected.state_dict(), actual.state_dict()
+    assert want.keys() == got.keys(), f"{label}: state dict names differ"
+    for name in want:
+        assert torch.equal(want[name], got[name]), f"{label}: {name} differs"
+
+
 def with_fields(args: Model, **changes) -> Model:
     return dataclasses.replace(args, **changes)

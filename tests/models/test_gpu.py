@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flame.models import build_model
-from tests.models.helpers import FAMILIES, tiny_args
+from tests.models.helpers import FAMILIES, assert_same_state, build_on_meta, tiny_args
 
 pytestmark = pytest.mark.gpu
 
@@ -19,12 +19,7 @@ def gpu_args(family, backend):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_failure3_fresh_model_is_finite_in_bf16_on_cuda_triton(family):
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = build_model(gpu_args(family, "triton"))
-    model.to_empty(device="cuda")
-    model.init_weights()
-    model = model.to(torch.bfloat16)
+    model = build_on_meta(gpu_args(family, "triton"), seed=0, device="cuda").to(torch.bfloat16)
     ids = torch.randint(0, 1000, (2, 300), device="cuda")
     logits = model(ids)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
@@ -57,10 +52,4 @@ def test_cuda_build_equals_meta_materialised_on_cuda(family):
     torch.manual_seed(5)
     with torch.device("cuda"):
         direct = build_model(args)
-    torch.manual_seed(5)
-    with torch.device("meta"):
-        meta = build_model(args)
-    meta.to_empty(device="cuda")
-    meta.init_weights()
-    for name, value in direct.state_dict().items():
-        assert torch.equal(value, meta.state_dict()[name]), f"{family}: {name}"
+    assert_same_state(direct, build_on_meta(args, seed=5, device="cuda"), family)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flame.models import build_model
-from tests.models.helpers import FAMILIES, build_seeded, tiny_args
+from tests.models.helpers import FAMILIES, assert_same_state, build_on_meta, build_seeded, tiny_args
 
 
 def ramps(C: int, N: int) -> dict[str, torch.Tensor]:
@@ -209,10 +209,7 @@ def test_meta_materialisation_equals_cpu_build(family):
             p.fill_(float("nan"))  # init_weights must overwrite every parameter
     torch.manual_seed(123)
     meta.init_weights()
-    expected, actual = cpu.state_dict(), meta.state_dict()
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        assert torch.equal(expected[name], actual[name]), f"{family}: {name} differs after meta materialisation"
+    assert_same_state(cpu, meta, f"{family} after meta materialisation")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -220,14 +217,7 @@ def test_init_weights_needs_no_reseed_after_a_meta_build(family):
     """Building (on meta or on CPU) does not advance the RNG, so the trainer's
     seed -> meta build -> to_empty -> init_weights equals seed -> CPU build."""
     args = tiny_args(family)
-    cpu = build_seeded(args, seed=7)
-    torch.manual_seed(7)
-    with torch.device("meta"):
-        meta = build_model(args)
-    meta.to_empty(device="cpu")
-    meta.init_weights()
-    for name, value in cpu.state_dict().items():
-        assert torch.equal(value, meta.state_dict()[name]), f"{family}: {name}"
+    assert_same_state(build_seeded(args, seed=7), build_on_meta(args, seed=7), family)
 
 
 def test_tied_embeddings_share_one_tensor():

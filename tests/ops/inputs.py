@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 __all__ = [
     "DECAY_MODES", "RWKV7_LOG_DECAY_BOUND", "grad_leaves", "loss_of", "make_cu_seqlens", "make_gsa_inputs",
-    "make_rwkv6_inputs", "make_rwkv7_inputs", "random_lengths", "random_like", "rwkv7_a_b", "split_sequences",
-    "to_reference", "varlen_state", "forward_backward", "assert_results_close", "assert_inputs_unchanged",
+    "make_inputs", "make_rwkv6_inputs", "make_rwkv7_inputs", "random_lengths", "random_like", "rwkv7_a_b",
+    "split_sequences", "to_reference", "varlen_state", "forward_backward", "assert_results_close", "assert_inputs_unchanged",
 ]
 
 RWKV7_LOG_DECAY_BOUND = -0.6065306597126334  # -exp(-0.5): the RWKV7 layer's log-decay lies in (bound, 0]
@@ -173,6 +173,21 @@ def make_gsa_inputs(
     state = (_randn(gen, B, H, K, M), _randn(gen, B, H, M, V)) if initial_state else None
     tensors = {"q": q, "k": k, "v": v, "s": s, "g": g, "initial_state": state}
     return _finish(tensors, dtype, device, requires_grad, state_dtype)
+
+
+def make_inputs(family: str, B: int, T: int, H: int, K: int, V: int, M: int | None = None, HQ: int | None = None,
+                **kwargs) -> dict:
+    """make_<family>_inputs for family "rwkv6", "rwkv7" or "gsa"; the slot count M (required) and
+    the query heads HQ shape GSA only and are ignored by the RWKV families."""
+    if family == "gsa":
+        if M is None:
+            raise ValueError("GSA inputs need the slot count M")
+        return make_gsa_inputs(B, T, H, K, V, M, HQ=HQ, **kwargs)
+    if family == "rwkv6":
+        return make_rwkv6_inputs(B, T, H, K, V, **kwargs)
+    if family == "rwkv7":
+        return make_rwkv7_inputs(B, T, H, K, V, **kwargs)
+    raise ValueError(f"unknown family {family!r}; choose 'rwkv6', 'rwkv7' or 'gsa'")
 
 
 # ---------------------------------------------------------------------------------------------

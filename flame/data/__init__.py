@@ -2,7 +2,7 @@
 
 from flame.data.build import build_dataloader
 from flame.data.loader import DataLoader
-from flame.data.sources import DataError
+from flame.data.errors import DataError
 from flame.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DataError", "DataLoader", "Tokenizer", "build_dataloader", "load_tokenizer"]

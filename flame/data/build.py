@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from flame.data.loader import DataLoader
 from flame.data.shards import open_shards
-from flame.data.sources import DataError, load_documents
+from flame.data.errors import DataError
+from flame.data.sources import load_documents
 from flame.data.streaming import StreamedDataset
 from flame.data.tokens import build_stream, split_indices, tokenize_documents
 

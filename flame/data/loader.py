@@ -26,6 +26,8 @@ import math
 import numpy as np
 import torch
 
+from flame.data.errors import DataError
+
 MIX_BLOCK = 1024
 STATE_VERSION = 1
 
@@ -41,7 +43,7 @@ class WindowSource:
         self.num_windows = (len(stream) - 1) // length
         self.per_rank = self.num_windows // world
         if self.per_rank == 0:
-            raise ValueError(
+            raise DataError(
                 f"{description} has {len(stream)} tokens: fewer than one window of {length + 1} "
                 f"tokens per data-parallel rank ({world} ranks); use a shorter seq_len, fewer "
                 "ranks or more data"
@@ -95,11 +97,11 @@ class DataLoader:
                  probs: list[float] | None = None, varlen: bool = False, context_len: int = 0,
                  allow_dp_resplit: bool = False):
         if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+            raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
         if not 0 <= dp_rank < dp_world_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world_size={dp_world_size})")
+            raise DataError(f"dp_rank {dp_rank} is not in [0, dp_world_size={dp_world_size})")
         if context_len < 0:
-            raise ValueError(f"context_len must be >= 0, got {context_len}")
+            raise DataError(f"context_len must be >= 0, got {context_len}")
         self.eod_id, self.batch_size, self.seq_len, self.split = eod_id, batch_size, seq_len, split
         self.seed, self.dp_rank, self.dp_world_size = seed, dp_rank, dp_world_size
         self.varlen, self.context_len = varlen, context_len or seq_len
@@ -204,18 +206,18 @@ class DataLoader:
         differ and the continuation is approximate.
         """
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"data loader state version {state.get('version')} is not {STATE_VERSION}")
+            raise DataError(f"data loader state version {state.get('version')} is not {STATE_VERSION}")
         for key in ("split", "seed", "batch_size", "seq_len", "varlen"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"data loader state has {key} = {state[key]!r}, this run has "
+                raise DataError(f"data loader state has {key} = {state[key]!r}, this run has "
                                  f"{getattr(self, key)!r}; cannot resume exactly")
         saved = [(s["description"], s["num_windows"]) for s in state["sources"]]
         mine = [(s.description, s.num_windows) for s in self.sources]
         if saved != mine:
-            raise ValueError(f"data loader state is for sources {saved}, this run reads {mine}")
+            raise DataError(f"data loader state is for sources {saved}, this run reads {mine}")
         old_world = state["dp_world_size"]
         if old_world != self.dp_world_size and not self.allow_dp_resplit:
-            raise ValueError(
+            raise DataError(
                 f"the checkpoint's data loader ran on {old_world} data-parallel ranks, this run has "
                 f"{self.dp_world_size}; resuming would change which data each rank reads. Resume "
                 "with the same number of ranks, or set data.allow_dp_resplit = true to re-split "
@@ -231,9 +233,9 @@ def normalized_probs(probs, num_sources: int) -> np.ndarray:
         return np.full(num_sources, 1.0 / num_sources)
     probs = np.asarray(probs, dtype=np.float64)
     if len(probs) != num_sources:
-        raise ValueError(f"data.probs has {len(probs)} entries for {num_sources} sources")
+        raise DataError(f"data.probs has {len(probs)} entries for {num_sources} sources")
     if (probs < 0).any() or probs.sum() <= 0 or not np.isfinite(probs).all():
-        raise ValueError(f"data.probs must be non-negative with a positive sum, got {probs.tolist()}")
+        raise DataError(f"data.probs must be non-negative with a positive sum, got {probs.tolist()}")
     return probs / probs.sum()
 
 

@@ -15,7 +15,7 @@ import sys
 def main(argv: list[str] | None = None) -> None:
     from flame.config import ConfigError, load_config
     from flame.data.shards import write_shards
-    from flame.data.sources import DataError
+    from flame.data.errors import DataError
     from flame.data.tokenizer import load_tokenizer
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                                 val_fraction=data.val_fraction, data_files=data.data_files,
                                 name=data.name, dataset_split=data.split,
                                 text_field=data.text_field, num_workers=data.num_workers)
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, DataError) as err:
         raise SystemExit(f"error: {err}") from None
     total = sum(sum(s["tokens"].values()) for s in manifest["sources"])
     print(f"wrote {len(manifest['sources'])} source(s), {total} tokens ({manifest['dtype']}) to {out}")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flame.data.sources import DataError, load_documents
+from flame.data.errors import DataError
+from flame.data.sources import load_documents
 from flame.data.tokens import SPLITS, ids_to_numpy, split_indices, token_dtype, tokenize_dataset
 
 FORMAT = "flame-shards-1"

@@ -14,15 +14,12 @@ import glob
 import os
 from pathlib import Path
 
+from flame.data.errors import DataError
 from flame.data.tokenizer import EMBEDDED_DIR
 
 EMBEDDED_CORPUS = EMBEDDED_DIR / "shakespeare.jsonl"
 LOCAL_TYPES = ("json", "parquet", "text")
 EXTENSION_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
-
-
-class DataError(ValueError):
-    """A data source cannot be used: missing files, no network, wrong field, empty data."""
 
 
 def is_local_spec(spec: str) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flame.data.sources import DataError
+from flame.data.errors import DataError
 from flame.data.tokens import token_dtype
 
 GOLDEN = 0x9E3779B97F4A7C15
@@ -49,7 +49,7 @@ class StreamSource:
                  index: int, seed: int, rank: int, world: int, split: str, val_fraction: float,
                  shuffle_buffer: int = 64):
         if split == "validation" and val_fraction == 0:
-            raise ValueError("the validation split is empty: data.val_fraction is 0")
+            raise DataError("the validation split is empty: data.val_fraction is 0")
         self.ds, self.text_field, self.tokenizer = ds, text_field, tokenizer
         self.length, self.description = length, description
         self.index, self.seed, self.rank, self.world = index, seed, rank, world
@@ -146,7 +146,7 @@ class StreamSource:
 
     def load_state_dict(self, state: dict, old_world: int) -> None:
         if old_world != self.world:
-            raise ValueError("a streamed source cannot be re-split over another number of "
+            raise DataError("a streamed source cannot be re-split over another number of "
                              f"data-parallel ranks ({old_world} -> {self.world})")
         self.epoch, self.docs_read, self.draws = state["epoch"], state["docs_read"], state["draws"]
         self._mine_this_epoch, self.finished = state["mine_this_epoch"], state["finished"]

@@ -6,6 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from flame.data.errors import DataError
+
 EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
 EMBEDDED_TOKENIZER = EMBEDDED_DIR / "tokenizer.json"
 
@@ -37,9 +39,9 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
     def check_vocab_size(self, model_vocab_size: int) -> None:
-        """Raise ValueError unless the model's vocabulary equals this tokenizer's."""
+        """Raise DataError unless the model's vocabulary equals this tokenizer's."""
         if int(model_vocab_size) != self.vocab_size:
-            raise ValueError(
+            raise DataError(
                 f"model.vocab_size is {model_vocab_size} but the tokenizer {self.source} has "
                 f"{self.vocab_size} tokens (added tokens included); set model.vocab_size = "
                 f"{self.vocab_size}"
@@ -66,22 +68,22 @@ def load_tokenizer(path: str = "") -> Tokenizer:
             eos_name = eos.get("content") if isinstance(eos, dict) else eos
         file = file / "tokenizer.json"
         if not file.is_file():
-            raise FileNotFoundError(f"tokenizer directory {path} has no tokenizer.json")
+            raise DataError(f"tokenizer directory {path} has no tokenizer.json")
     elif not file.is_file():
-        raise FileNotFoundError(
+        raise DataError(
             f"tokenizer file {file} does not exist (data.tokenizer takes a tokenizer.json path, a "
             "HF tokenizer directory, or '' for the embedded tokenizer)"
         )
     try:
         backend = Backend.from_file(str(file))
     except Exception as err:
-        raise ValueError(f"{file} is not a valid tokenizers JSON file: {err}") from err
+        raise DataError(f"{file} is not a valid tokenizers JSON file: {err}") from err
 
     for name in ([eos_name] if eos_name else []) + list(EOD_CANDIDATES):
         eod_id = backend.token_to_id(name)
         if eod_id is not None:
             return Tokenizer(backend, eod_id, str(file))
-    raise ValueError(
+    raise DataError(
         f"tokenizer {file} has no end-of-document token: looked for "
         f"{', '.join(([eos_name] if eos_name else []) + list(EOD_CANDIDATES))}"
     )

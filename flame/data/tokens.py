@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from flame.data.errors import DataError
+
 # Fixed seed of the train/validation split: the split depends on the documents only, so runs
 # with different job seeds evaluate on the same held-out documents.
 SPLIT_SEED = 0x5EED
@@ -24,14 +26,14 @@ def split_indices(num_docs: int, val_fraction: float, split: str) -> np.ndarray:
     """Sorted indices of the documents of `split`; at least one document is held out when
     val_fraction > 0."""
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise DataError(f"split must be one of {SPLITS}, got {split!r}")
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
     num_val = 0 if val_fraction == 0 else max(1, round(num_docs * val_fraction))
     if split == "validation" and num_val == 0:
-        raise ValueError("the validation split is empty: data.val_fraction is 0")
+        raise DataError("the validation split is empty: data.val_fraction is 0")
     if num_val >= num_docs:
-        raise ValueError(f"data.val_fraction = {val_fraction} holds out all {num_docs} documents")
+        raise DataError(f"data.val_fraction = {val_fraction} holds out all {num_docs} documents")
     is_val = np.zeros(num_docs, dtype=bool)
     is_val[np.random.default_rng(SPLIT_SEED).permutation(num_docs)[:num_val]] = True
     return np.flatnonzero(is_val if split == "validation" else ~is_val)

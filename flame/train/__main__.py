@@ -9,6 +9,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from flame.config import ConfigError, load_config
+    from flame.data import DataError
     from flame.train.checkpoint import CheckpointError
     from flame.train.trainer import NonFiniteTrainingError, Trainer
 
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         Trainer(cfg).train()
-    except (CheckpointError, NonFiniteTrainingError) as err:
+    except (DataError, CheckpointError, NonFiniteTrainingError) as err:
         print(f"flame-train: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     finally:

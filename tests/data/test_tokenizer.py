@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from flame.data import load_tokenizer
+from flame.data import DataError, load_tokenizer
 from flame.data.tokenizer import EMBEDDED_DIR
 
 
@@ -54,9 +54,9 @@ def test_path_and_directory_forms(tmp_path, tokenizer):
 
 
 def test_missing_tokenizer_file_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer file .*nope.json does not exist"):
+    with pytest.raises(DataError, match="tokenizer file .*nope.json does not exist"):
         load_tokenizer(str(tmp_path / "nope.json"))
-    with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+    with pytest.raises(DataError, match="has no tokenizer.json"):
         load_tokenizer(str(tmp_path))
 
 

@@ -54,3 +54,15 @@ def test_bad_checkpoint_and_bad_config_exit_with_a_message(tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "CheckpointError" in err and "step-3 is incomplete" in err
+
+
+def test_vocab_mismatch_and_missing_tokenizer_exit_with_a_message(tmp_path, capsys):
+    base = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"),
+            "--job.dump_folder", str(tmp_path / "run"), "--training.device", "cpu"]
+    assert main(base + ["--model.vocab_size", "8000"]) == 1
+    err = capsys.readouterr().err
+    assert "DataError" in err and "set model.vocab_size = 8192" in err and "Traceback" not in err
+
+    assert main(base + ["--data.tokenizer", str(tmp_path / "missing.json")]) == 1
+    err = capsys.readouterr().err
+    assert "DataError" in err and "missing.json does not exist" in err

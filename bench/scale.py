@@ -42,18 +42,23 @@ Data: by default the embedded corpus and tokenizer (--data.dataset embedded, --d
 --model.vocab_size 8192, not streamed), because the GPU machines have no network; --config-data
 keeps the config's [data] and vocabulary instead.
 
-On the lent GPU machines (their image lacks torchtitan, datasets and wandb, and has no network):
-  here, once:   bash ../shared/device/fetch-wheels.sh          # writes .whl/, carried to the device
-  device command (carry .whl; one command is limited to 10 minutes, so split the runs if needed,
-  e.g. --runs fsdp,single,hsdp then --runs resume,model_only, on the same warm machine and --out):
+On the lent GPU machines (nvidia-h200-x8 for P = 8; their image lacks torchtitan, datasets and
+wandb, and has no network):
+  here, once:  bash ../shared/device/fetch-wheels.sh      # writes .whl/ (git-ignored)
+  device command, carrying .whl, from the repository root (the run tool's limit is 10 minutes per
+  command, so split the runs over two calls on the same warm machine and the same --out; the
+  timeout leaves time to copy the logs back, and on SIGTERM the script kills its running ranks):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \
     cp bench/RESULTS.md $OUT/RESULTS.md && \
-    python3 bench/scale.py --config configs/rwkv7_1B.toml --nproc 8 --out /tmp/scale \
-        --results $OUT/RESULTS.md; cp /tmp/scale/summary.json /tmp/scale/*.log $OUT/
-  then copy the returned RESULTS.md over bench/RESULTS.md. Keep --out off $OUT: the 1B
-  checkpoints are ~16 GB each. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
-  NVSHMEM_DISABLE_NVLS=1 are set in every run's environment (NVLink multicast stays off).
+    timeout 570 python3 bench/scale.py --config configs/rwkv7_1B.toml --nproc 8 \
+        --out /tmp/scale --results $OUT/RESULTS.md --runs fsdp,single,hsdp; \
+    cp /tmp/scale/summary.json /tmp/scale/*.log $OUT/
+  then the same with --runs resume,model_only (the second call's RESULTS.md holds every row of
+  the plan: summary.json in --out remembers the first call's), and copy the returned RESULTS.md
+  over bench/RESULTS.md. Keep --out off $OUT: a 1B checkpoint with its optimizer state is ~15 GB.
+  NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set in
+  every run's environment (NVLink multicast stays off).
 """
 
 from __future__ import annotations
@@ -362,8 +367,16 @@ def read_metrics(path: Path, start_line: int = 0) -> list[dict]:
     """The training records (not validation ones) of metrics.jsonl from line `start_line` on."""
     if not path.is_file():
         raise ScaleError(f"{path} is missing: the run logged nothing")
-    lines = path.read_text().splitlines()[start_line:]
-    return [r for r in map(json.loads, lines) if "loss" in r]
+    records = []
+    for number, line in enumerate(path.read_text().splitlines()[start_line:], start_line + 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the SIGKILL: not a record
+            print(f"note: {path}:{number} is not JSON (cut by the kill?), skipped", file=sys.stderr)
+            continue
+        if "loss" in record:
+            records.append(record)
+    return records
 
 
 def line_count(path: Path) -> int:
@@ -501,10 +514,19 @@ def fresh(path: Path) -> Path:
 # ---- reporting ---------------------------------------------------------------------------------
 
 def device_description(device: str) -> str:
-    import torch
-
-    if device == "cuda" and torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    """"8x NVIDIA H200" (asked in a child process: CUDA in this one would hold memory on GPU 0
+    during every run), or the CPU."""
+    if device == "cuda":
+        probe = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count(), "
+             "torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"],
+            capture_output=True, text=True, env=child_env(device))
+        count, _, name = probe.stdout.strip().partition(" ")
+        if probe.returncode != 0 or not name:
+            detail = probe.stderr.strip()[-500:]
+            raise ScaleError("--device cuda, but no CUDA device was found"
+                             + (f": {detail}" if detail else " (use --device cpu for a smoke run)"))
+        return f"{count}x {name}"
     return f"CPU ({os.cpu_count()} cores, {platform.machine()})"
 
 
@@ -524,7 +546,7 @@ def fmt(value, pattern: str = "{:,.0f}") -> str:
     return "n/a" if value is None else pattern.format(value)
 
 
-def table_rows(plan: Plan, summary: dict, measured: str) -> dict[tuple[str, str], str]:
+def table_rows(plan: Plan, summary: dict) -> dict[tuple[str, str], str]:
     """{(config, run label): markdown row} for the runs in `summary`."""
     rows = {}
     base = summary.get("single", {}).get("tokens_per_s_per_gpu")
@@ -563,7 +585,7 @@ def table_rows(plan: Plan, summary: dict, measured: str) -> dict[tuple[str, str]
                      f"with these weights {result['p_run_loss_same_weights']:.4f} (its own batch)"
                      + (f"; {result['note']}" if result.get("note") else "")]
         rows[(plan.name, label)] = "| " + " | ".join(
-            [plan.name, label, world, *cells, result.get("measured", measured)]) + " |"
+            [plan.name, label, world, *cells, result["measured"]]) + " |"
     return rows
 
 
@@ -609,10 +631,29 @@ def key_of_command(line: str) -> tuple[str, str]:
 
 # ---- main --------------------------------------------------------------------------------------
 
+def stop_on_sigterm(signum, frame):
+    """`timeout` and the device tool stop with SIGTERM: leave through the KeyboardInterrupt path
+    of `launch`, which kills the running ranks (they live in sessions of their own)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def write_outputs(plan: Plan, summary: dict, summary_path: Path, results: Path) -> list[str]:
+    """summary.json, and the rows of every run of this plan in the results file (an earlier
+    call's too: the efficiencies use the baseline). Returns the rows."""
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    rows = table_rows(plan, summary)
+    commands = {(plan.name, plan.label(r)): f"- **{plan.name} · {plan.label(r)}**: "
+                f"`{summary[r]['invocation']}` ({summary[r]['measured']})"
+                for r in RUNS if r in summary}
+    update_results(results, rows, commands)
+    return list(rows.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     try:
         plan = make_plan(args, extra)
+        device = device_description(plan.device)
     except ScaleError as err:
         print(f"bench/scale.py: {err}", file=sys.stderr)
         return 2
@@ -620,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in RUNS if r in requested]  # fsdp first: resume and model_only use it
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     plan_record = json.loads(json.dumps(asdict(plan)))
@@ -628,54 +670,57 @@ def main(argv: list[str] | None = None) -> int:
     elif "fsdp" in runs:  # a new fsdp run: the checks made against the old one are stale
         summary = {k: v for k, v in summary.items() if k not in ("resume", "model_only")}
     summary["plan"] = plan_record
+    dependent = [r for r in runs if r in ("resume", "model_only")]
+    if dependent and "fsdp" not in runs and "fsdp" not in summary:
+        print(f"bench/scale.py: {', '.join(dependent)} need(s) the fsdp run of this plan, which "
+              f"{summary_path} does not hold: add fsdp to --runs (or use the --out and the "
+              f"arguments of the call that ran it)", file=sys.stderr)
+        return 2
 
-    device = device_description(plan.device)
     measured = f"{datetime.date.today().isoformat()}, {device}, {versions()}"
     invocation = shlex.join(["python", "bench/scale.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"bench/scale.py: {plan.name}, P = {plan.nproc}, per-GPU batch {plan.batch_size} x "
           f"seq_len {plan.seq_len} x GA {plan.grad_accum} -> global batch "
           f"{plan.global_batch_tokens:,} tokens at P; {plan.steps} steps; {device}", flush=True)
+    previous_handler = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        for run in runs:
+            started = time.monotonic()
+            print(f"\n== {run} ({plan.label(run)}) ==", flush=True)
+            try:
+                result = make_run(run, plan, summary, out, args)
+            except ScaleError as err:
+                print(f"{run}: FAILED: {err}", file=sys.stderr, flush=True)
+                world = plan.nproc if run in ("fsdp", "hsdp", "resume") else 1
+                result = {"error": str(err), "world": world}
+            result.update(measured=measured, invocation=invocation,
+                          wall_s=round(time.monotonic() - started, 1))
+            summary[run] = result
+            rows = write_outputs(plan, summary, summary_path, results)  # after each run
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
 
-    for run in runs:
-        started = time.monotonic()
-        print(f"\n== {run} ({plan.label(run)}) ==", flush=True)
-        try:
-            if run in ("resume", "model_only") and "fsdp" not in summary:
-                raise ScaleError(f"{run} needs the fsdp run of this plan in {out}: add fsdp to --runs")
-            if "error" in summary.get("fsdp", {}) and run in ("resume", "model_only"):
-                raise ScaleError(f"{run} needs the fsdp run, which failed")
-            if run == "fsdp":
-                result = run_fsdp(plan, out, args.timeout)
-            elif run == "single":
-                result = run_throughput(plan, "single", 1, out, args.timeout)
-            elif run == "hsdp":
-                result = run_throughput(plan, "hsdp", plan.nproc, out, args.timeout)
-            elif run == "resume":
-                result = run_resume(plan, out, args.timeout, args.resume_tolerance)
-            else:
-                single_ok = "single" in summary and "error" not in summary["single"]
-                result = run_model_only(plan, out, args.timeout, single_ok)
-        except ScaleError as err:
-            print(f"{run}: FAILED: {err}", file=sys.stderr, flush=True)
-            result = {"error": str(err), "world": plan.nproc if run in ("fsdp", "hsdp", "resume") else 1}
-        result.update(measured=measured, invocation=invocation,
-                      wall_s=round(time.monotonic() - started, 1))
-        summary[run] = result
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-
-    # every run of this plan in the summary (an earlier call's too: the efficiencies use them)
-    rows = table_rows(plan, summary, measured)
-    print("\n" + TABLE_HEADER)
-    print("\n".join(rows.values()))
-    commands = {(plan.name, plan.label(r)): f"- **{plan.name} · {plan.label(r)}**: "
-                f"`{summary[r]['invocation']}` ({summary[r]['measured']})"
-                for r in RUNS if r in summary}
-    update_results(Path(args.results), rows, commands)
-    print(f"\nrows written to {args.results}; details in {summary_path}")
+    print("\n" + TABLE_HEADER + "\n" + "\n".join(rows))
+    print(f"\nrows written to {results}; details in {summary_path}")
     failed = [r for r in runs if "error" in summary[r] or summary[r].get("passed") is False]
     if failed:
         print(f"bench/scale.py: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def make_run(run: str, plan: Plan, summary: dict, out: Path, args: argparse.Namespace) -> dict:
+    if run in ("resume", "model_only") and "error" in summary["fsdp"]:
+        raise ScaleError(f"{run} needs the fsdp run, which failed")
+    if run == "fsdp":
+        return run_fsdp(plan, out, args.timeout)
+    if run == "single":
+        return run_throughput(plan, "single", 1, out, args.timeout)
+    if run == "hsdp":
+        return run_throughput(plan, "hsdp", plan.nproc, out, args.timeout)
+    if run == "resume":
+        return run_resume(plan, out, args.timeout, args.resume_tolerance)
+    single_ok = "single" in summary and "error" not in summary["single"]
+    return run_model_only(plan, out, args.timeout, single_ok)
 
 
 if __name__ == "__main__":

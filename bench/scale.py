@@ -272,15 +272,16 @@ def torchrun_command(nproc: int, config: str, keys: dict[str, str]) -> list[str]
 
 
 def launch(command: list[str], log_path: Path, env: dict[str, str], *, timeout: float,
-           kill_when: Path | None = None, forbidden: Path | None = None) -> str:
-    """Run `command` to its end (returns "finished"), or with `kill_when`, SIGKILL it and its
-    ranks as soon as that file exists (returns "killed"). Raises ScaleError on a failure."""
+           kill_when: Path | None = None, forbidden: Path | None = None) -> None:
+    """Run `command` to its end or, with `kill_when`, SIGKILL it and its ranks as soon as that
+    file exists (`forbidden` must not exist by then). Raises ScaleError on a failure. The runs
+    start in this process's working directory, so relative paths mean the same to them."""
     print("$ " + shlex.join(command), flush=True)
     start = time.monotonic()
     with open(log_path, "ab") as log:
         log.write(("$ " + shlex.join(command) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+        proc = subprocess.Popen(command, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             while True:
@@ -293,7 +294,7 @@ def launch(command: list[str], log_path: Path, env: dict[str, str], *, timeout: 
                     if forbidden is not None and forbidden.exists():
                         raise ScaleError(f"{forbidden} exists: the run reached its last step "
                                          f"before the kill; raise --steps")
-                    return "killed"
+                    return
                 if code is not None:
                     break
                 if time.monotonic() - start > timeout:
@@ -310,7 +311,6 @@ def launch(command: list[str], log_path: Path, env: dict[str, str], *, timeout: 
     if kill_when is not None:
         raise ScaleError(f"the run finished before {kill_when} appeared; log {log_path}:\n"
                          + tail(log_path))
-    return "finished"
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -415,7 +415,7 @@ def run_fsdp(plan: Plan, out: Path, timeout: float) -> dict:
 
 def run_throughput(plan: Plan, run: str, nproc: int, out: Path, timeout: float,
                    checkpoint_steps: tuple[int, ...] = ()) -> dict:
-    dump = fresh(out / run)
+    dump = fresh(out, run)
     command = torchrun_command(nproc, plan.config, run_overrides(plan, run, dump))
     launch(command, out / f"{run}.log", child_env(plan.device), timeout=timeout)
     records = read_metrics(dump / "metrics.jsonl")
@@ -428,7 +428,7 @@ def run_throughput(plan: Plan, run: str, nproc: int, out: Path, timeout: float,
 
 def run_resume(plan: Plan, out: Path, timeout: float, tolerance: float) -> dict:
     reference = losses_by_step(read_metrics(out / "fsdp" / "metrics.jsonl"))
-    dump = fresh(out / "resume")
+    dump = fresh(out, "resume")
     command = torchrun_command(plan.nproc, plan.config, run_overrides(plan, "resume", dump))
     checkpoints = dump / "checkpoint"
     launch(command, out / "resume.log", child_env(plan.device), timeout=timeout,
@@ -470,7 +470,7 @@ def run_model_only(plan: Plan, out: Path, timeout: float, single_ok: bool) -> di
     checkpoint = (out / "fsdp" / "checkpoint" / f"step-{plan.kill_step}").resolve()
     if not (checkpoint / "COMPLETE").is_file():
         raise ScaleError(f"model_only: {checkpoint} is not a complete checkpoint (run fsdp first)")
-    dump = fresh(out / "model_only")
+    dump = fresh(out, "model_only")
     keys = run_overrides(plan, "model_only", dump, **{
         "training.steps": "1",
         "checkpoint.initial_load_path": str(checkpoint),
@@ -503,11 +503,13 @@ def run_model_only(plan: Plan, out: Path, timeout: float, single_ok: bool) -> di
     }
 
 
-def fresh(path: Path) -> Path:
-    """An empty run folder (an old one would be resumed from)."""
+def fresh(out: Path, run: str) -> Path:
+    """An empty run folder (an old one would be resumed from) and no old log."""
+    path = out / run
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
+    (out / f"{run}.log").unlink(missing_ok=True)
     return path
 
 

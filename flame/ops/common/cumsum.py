@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import ChunkLayout
+from .layout import ChunkLayout, chunk_span
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -16,13 +16,9 @@ def _chunk_cumsum_kernel(g, gc, cu_seqlens, chunk_indices,
                          H, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     rows = tl.arange(0, BT)
-    m_t = rows < eos - t0
+    m_t = rows < Tc
     for i_d in tl.static_range(0, triton.cdiv(D, BD)):
         cols = i_d * BD + tl.arange(0, BD)
         m = m_t[:, None] & (cols < D)[None, :]

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .intra import intra_chunk_matrix, load_query_gate, load_row, load_rows, mm, mm_tf32
-from .layout import ChunkLayout
+from .layout import ChunkLayout, chunk_span
 
 
 @triton.jit
@@ -31,12 +31,7 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dq, dk, dg, du, cu_seqlens, chunk_in
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_k = tl.program_id(2)
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    Tc = tl.minimum(eos - t0, BT)
+    t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     m_t = rows < Tc
@@ -137,12 +132,7 @@ def _dv_kernel(q, k, gc, u, do, dh, dv, cu_seqlens, chunk_indices, scale,
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    Tc = tl.minimum(eos - t0, BT)
+    t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     rows = tl.arange(0, BT)
     m_t = rows < Tc
     cv = i_v * BV + tl.arange(0, BV)

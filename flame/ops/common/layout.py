@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,15 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: in
         torch.tensor(first, device=device, dtype=torch.int64),
         len(counts), first[-1], chunk_size,
     )
+
+
+@triton.jit
+def chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
+    """The device side of the tables: chunk `i_c`'s first token t0 (int64, in the flattened B*T axis)
+    and its number of valid rows Tc (<= BT; less only for a sequence's last chunk)."""
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    return t0, tl.minimum(eos - t0, BT)

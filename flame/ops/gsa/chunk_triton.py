@@ -37,6 +37,7 @@ import triton.language as tl
 from ..common import (block_sizes, chunk_dqkg_bwd, chunk_dv_bwd, chunk_layout, chunk_local_cumsum,
                       chunk_output_fwd, chunk_state_bwd, chunk_state_fwd, dot_dtype)
 from ..common.intra import intra_chunk_matrix, load_row, load_rows, mm
+from ..common.layout import chunk_span
 
 
 @triton.jit
@@ -126,12 +127,7 @@ def _slots_fwd_kernel(q, k, s, gc, h, z, p, cu_seqlens, chunk_indices, scale,
     """Slot scores z of one chunk and head, and p = softmax(z) over the slots (fp32, max-stabilised)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    Tc = tl.minimum(eos - t0, BT)
+    t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     rows = tl.arange(0, BT)
     m_t = rows < Tc
     cm = tl.arange(0, BM)
@@ -166,12 +162,7 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, dq, dk, ds, dg, cu_seqlens, chu
     """dq, dk and the pass-K parts of ds and dg (fp32) of one chunk and head."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    Tc = tl.minimum(eos - t0, BT)
+    t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     rows = tl.arange(0, BT)
     m_t = rows < Tc
     cm = tl.arange(0, BM)

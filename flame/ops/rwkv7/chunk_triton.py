@@ -583,7 +583,11 @@ class _Plan:
         self.cu, self.chunk_info, self.chunk_offsets, self.N = _chunk_layout(B, T, self.BT, cu_seqlens, r.device)
         self.NT = self.chunk_info.shape[0]
         interp = _interpreting()
-        self.prec = "tf32x3" if (r.dtype == torch.float32 or interp) else "tf32"
+        # fp32-accurate products (3xTF32) for every input dtype: with plain TF32 the nilpotent-product
+        # inverse and the state scan lost so much that a trained RWKV7-340M head (bf16, T = 2048,
+        # slow decays, aligned kappa) overflowed to inf by chunk 29 on the H100, while 3xTF32 and
+        # IEEE matched the fp64 reference to 3e-3 of the output's range (session 2 GPU probe)
+        self.prec = "tf32x3"
         self.qk_bf16 = r.dtype == torch.bfloat16 and not interp
 
 

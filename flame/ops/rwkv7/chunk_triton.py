@@ -406,12 +406,6 @@ def _backward_state_kernel(
     m_rk = m_r & (o_k < K)[None, :]
     p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
     p_t = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
-    b_W = tl.load(Wm + p_k, mask=m_rk, other=0.0)
-    b_kt = tl.load(kt + p_k, mask=m_rk, other=0.0)
-    b_bt = tl.load(bt + p_k, mask=m_rk, other=0.0)
-    b_Mqk = tl.load(Mqk + p_t, mask=m_r, other=0.0)
-    b_Mqb = tl.load(Mqb + p_t, mask=m_r, other=0.0)
-    b_G = tl.load(Gm + p_t, mask=m_r, other=0.0)
 
     a_qh = tl.zeros([BT, BK], dtype=tl.float32)
     a_kt = tl.zeros([BT, BK], dtype=tl.float32)
@@ -428,6 +422,12 @@ def _backward_state_kernel(
         m_kv = (o_k < K)[:, None] & m_v
         s_off = o_k[:, None] * V + o_v[None, :]
         p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
+        b_W = tl.load(Wm + p_k, mask=m_rk, other=0.0)
+        b_kt = tl.load(kt + p_k, mask=m_rk, other=0.0)
+        b_bt = tl.load(bt + p_k, mask=m_rk, other=0.0)
+        b_Mqk = tl.load(Mqk + p_t, mask=m_r, other=0.0)
+        b_Mqb = tl.load(Mqb + p_t, mask=m_r, other=0.0)
+        b_G = tl.load(Gm + p_t, mask=m_r, other=0.0)
         S = tl.load(hs + h_base + s_off, mask=m_kv, other=0.0)
         dS = tl.load(dhs + h_base + s_off, mask=m_kv, other=0.0)
         b_do = tl.load(do + p_v, mask=m_r & m_v, other=0.0).to(tl.float32)

@@ -56,6 +56,7 @@ class StepResult:
     valid_tokens: int
     skipped: bool
     first_nonfinite_param: str | None = None
+    first_nonfinite_module: str | None = None  # set when the loss itself is non-finite
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -94,6 +95,42 @@ def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
         if not bool(torch.isfinite(local).all()):
             return name
     return None
+
+
+def first_nonfinite_module(model: torch.nn.Module, run_forward) -> str | None:
+    """Where a non-finite forward starts: the first module, in execution order, whose output holds
+    a NaN or Inf while all of its floating-point inputs are finite (the NaN is born inside it;
+    an op called by the module, such as an attention kernel, is reported as that module).
+    Falls back to the first module with a non-finite output. `run_forward()` runs the model once;
+    it is called under no_grad with a hook on every submodule."""
+    origin: list[str] = []
+    first_bad: list[str] = []
+
+    def finite(value) -> bool:
+        if torch.is_tensor(value) and value.is_floating_point():
+            return bool(torch.isfinite(value).all())
+        if isinstance(value, (tuple, list)):
+            return all(finite(item) for item in value)
+        return True
+
+    def check(name):
+        def hook(module, args, output):
+            if origin or finite(output):
+                return
+            label = f"{name} ({type(module).__name__})"
+            first_bad.append(label)
+            if finite(args):
+                origin.append(label)
+        return hook
+
+    handles = [module.register_forward_hook(check(name)) for name, module in model.named_modules() if name]
+    try:
+        with torch.no_grad():
+            run_forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (origin or first_bad or [None])[0]
 
 
 @contextmanager
@@ -329,7 +366,7 @@ class Trainer:
         lr = self.current_lr()
         self.state.step += 1
         finite = math.isfinite(loss_value) and math.isfinite(norm_value) and valid_tokens > 0
-        culprit = None
+        culprit = module = None
         if finite:
             self.optimizer.step()
             self.lr_scheduler.step()
@@ -337,13 +374,31 @@ class Trainer:
             self.state.tokens += valid_tokens
         else:
             culprit = first_nonfinite_grad(self.model)
+            if not math.isfinite(loss_value):
+                module = self.locate_nonfinite_forward(micro_batches)
             self.state.nan_skips += 1
             self.state.consecutive_nan_skips += 1
         self.optimizer.zero_grad(set_to_none=True)
-        result = StepResult(loss_value, norm_value, lr, valid_tokens, not finite, culprit)
+        result = StepResult(loss_value, norm_value, lr, valid_tokens, not finite, culprit, module)
         if not finite:
             self.handle_nonfinite(result)
         return result
+
+    def locate_nonfinite_forward(self, micro_batches: list[dict[str, torch.Tensor]]) -> str | None:
+        """After a non-finite loss (a global decision, so every rank is here): run the forward of
+        this rank's micro-batches again, with hooks, until one turns non-finite; the answer names
+        the first rank that found one. Costs one extra forward, on non-finite steps only."""
+        found = None
+        for batch in micro_batches:
+            with op_value_checks_off():
+                found = first_nonfinite_module(self.model, lambda: self.forward(batch))
+            if found is not None:
+                break
+        if not self.parallel.distributed or self.parallel.world_size == 1:
+            return found
+        gathered: list[str | None] = [None] * self.parallel.world_size
+        dist.all_gather_object(gathered, found)
+        return next((f"{name} on rank {rank}" for rank, name in enumerate(gathered) if name), None)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` by the global norm over all shards; returns the norm before."""
@@ -359,10 +414,12 @@ class Trainer:
         logger.warning(
             "step %d: non-finite loss %s / grad norm %s, update skipped (%d in a row, %d in "
             "total); data: micro-batches [%d, %d) of dp rank %d; first non-finite gradient on "
-            "rank %d: %s",
+            "rank %d: %s%s",
             self.state.step, result.loss, result.grad_norm, self.state.consecutive_nan_skips,
             self.state.nan_skips, first, self.batches_consumed, self.parallel.dp_rank, self.rank,
             result.first_nonfinite_param or "none",
+            f"; the forward turns non-finite in {result.first_nonfinite_module}"
+            if result.first_nonfinite_module else "",
         )
         limit = self.cfg.training.max_consecutive_nan_steps
         if self.state.consecutive_nan_skips < limit:
@@ -372,10 +429,16 @@ class Trainer:
             f"gradient (training.max_consecutive_nan_steps = {limit}), at step {self.state.step}"
         )
         if not self.cfg.training.nan_recovery:
-            raise NonFiniteTrainingError(
-                f"{message}. Stopping; the last good checkpoint in {self.checkpointer.folder} is "
-                f"intact (set training.nan_recovery = true to reload it and skip this data)."
-            )
+            self.checkpointer.wait()
+            complete = self.checkpointer.complete_steps()
+            last = complete[-1] if complete else None
+            if last is None:
+                where = (f"no checkpoint was written to {self.checkpointer.folder} (checkpoint.enable "
+                         f"= {str(self.cfg.checkpoint.enable).lower()})")
+            else:
+                where = (f"the last good checkpoint, {self.checkpointer.step_dir(last)}, is intact (set "
+                         f"training.nan_recovery = true to reload it and skip this data)")
+            raise NonFiniteTrainingError(f"{message}. Stopping; {where}.")
         self.recover_from_nonfinite(message)
 
     def recover_from_nonfinite(self, message: str) -> None:

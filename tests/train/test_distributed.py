@@ -184,3 +184,38 @@ def test_two_rank_resume_matches_and_dp_size_is_checked(tmp_path):
     trainer = Trainer(cfg)
     assert trainer.state.step == 0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+# ---- a NaN on one rank: every rank skips, the diagnosis names that rank -----------------------
+
+def two_rank_nan_run(rank: int, dump: str) -> None:
+    import math
+
+    trainer = Trainer(ga_config(dump, ga=1), dataloader=())
+    batches = global_batches()
+    rows = slice(2 * rank, 2 * rank + 2)
+    first = trainer.train_step([{"input_ids": batches[0][0][rows], "labels": batches[0][1][rows]}])
+    before = full_params(trainer.model)
+    hook = None
+    if rank == 1:  # a NaN born in layer 1's feed-forward, on rank 1 only
+        hook = trainer.model.layers[1].ffn.register_forward_hook(lambda m, i, out: out * math.nan)
+    nan = trainer.train_step([{"input_ids": batches[1][0][rows], "labels": batches[1][1][rows]}])
+    if hook is not None:
+        hook.remove()
+    unchanged = all(torch.equal(before[k], v) for k, v in full_params(trainer.model).items())
+    after = trainer.train_step([{"input_ids": batches[2][0][rows], "labels": batches[2][1][rows]}])
+    with open(os.path.join(dump, f"rank{rank}.json"), "w") as f:
+        json.dump({"first": first.skipped, "skipped": nan.skipped, "module": nan.first_nonfinite_module,
+                   "unchanged": unchanged, "after": after.skipped, "nan_skips": trainer.state.nan_skips,
+                   "step": trainer.state.step}, f)
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    spawn(two_rank_nan_run, str(tmp_path))
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, record in enumerate(seen):
+        assert record["first"] is False and record["skipped"] is True and record["after"] is False, r
+        assert record["unchanged"], f"rank {r} changed its parameters on the skipped step"
+        assert (record["nan_skips"], record["step"]) == (1, 3), r
+        assert record["module"] is not None and record["module"].startswith("layers.1.ffn ("), record
+        assert record["module"].endswith("on rank 1"), record

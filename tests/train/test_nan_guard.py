@@ -108,3 +108,33 @@ def test_nan_recovery_reloads_the_last_good_checkpoint_and_skips_the_data(tmp_pa
     assert (trainer.state.nan_skips, trainer.state.consecutive_nan_skips) == (2, 0)
     assert not trainer.train_step(trainer.next_micro_batches()).skipped
     assert trainer.state.step == 3
+
+
+def test_a_nan_born_in_the_forward_is_traced_to_its_module(trainer):
+    trainer.train_step(batches(0))
+    # the NaN appears inside layer 1's attention: its inputs are finite, its output is not
+    target = trainer.model.layers[1].attn
+    hook = target.register_forward_hook(
+        lambda m, i, out: (out[0] * math.nan, *out[1:]) if isinstance(out, tuple) else out * math.nan)
+    result = trainer.train_step(batches(1))
+    hook.remove()
+    assert result.skipped and math.isnan(result.loss)
+    assert result.first_nonfinite_module is not None
+    assert result.first_nonfinite_module.startswith("layers.1.attn ("), result.first_nonfinite_module
+    # a finite loss with a non-finite gradient runs no forward search
+    name, param = list(trainer.model.named_parameters())[-1]
+    grad_hook = param.register_hook(lambda g: torch.full_like(g, math.inf))
+    result = trainer.train_step(batches(2))
+    grad_hook.remove()
+    assert result.skipped and result.first_nonfinite_module is None
+
+
+def test_the_stop_message_says_when_no_checkpoint_exists(tmp_path):
+    cfg = tiny_config(tmp_path, training={"steps": 10, "max_consecutive_nan_steps": 2},
+                      checkpoint={"enable": False})
+    trainer = Trainer(cfg, dataloader=())
+    hook = trainer.model.embeddings.register_forward_hook(lambda m, i, out: out * math.nan)
+    trainer.train_step(batches(1))
+    with pytest.raises(NonFiniteTrainingError, match="no checkpoint was written .*checkpoint.enable = false"):
+        trainer.train_step(batches(2))
+    hook.remove()

@@ -15,17 +15,30 @@ Using the core (all tensors token-major and contiguous: q, k, g [B, T, H, K], v 
     DT     = dot_dtype(v.dtype, K)                # tensor-core operand dtype
     BK, BV = block_sizes(K, V)
     # forward
-    gc     = chunk_local_cumsum(g, layout)                                   # fp32, * log2(e)
-    h, ht  = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)   # S_in per chunk (fp32)
-    o      = chunk_output_fwd(q, k, v, gc, h, layout, scale, exclusive, u, DT, BK, BV)
-    # backward (recompute gc and h as above; dht may be None)
-    dh, dh0        = chunk_state_bwd(q, do, gc, layout, dht, scale, exclusive, need_dh0, DT)
-    dq, dk, dg, du = chunk_dqkg_bwd(q, k, v, g, gc, u, h, do, dh, layout, scale, exclusive, DT, BK, BV)
-    dv             = chunk_dv_bwd(q, k, v, gc, u, do, dh, layout, scale, exclusive, DT, BK, BV)
+    gc       = chunk_local_cumsum(g, layout)                                  # fp32, * log2(e)
+    A, h     = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, DT, BK, v=v, block_v=BV)
+    h, ht    = chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)  # in place
+    o        = chunk_output(q, v, gc, h, A, layout, scale, exclusive, DT, BK, BV)
+    # backward (recompute gc; A saved from the forward; dht may be None)
+    h, dh    = chunk_local_states(q, k, v, do, gc, layout, scale, exclusive, DT, fwd=True, bwd=True)
+    h, _     = chunk_scan_states(h, gc, layout, h0, False, reverse=False)
+    dh, dh0  = chunk_scan_states(dh, gc, layout, dht, need_dh0, reverse=True)
+    dv, dA, dAd    = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, exclusive, u is not None, DT, BK, BV)
+    dq, dk, dg, du = chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout, scale, exclusive, DT, BK, BV)
 
-h0/ht/dh0/dht are [N, H, K, V] fp32 (N = B, or the number of packed sequences). dg is the
-gradient of the raw log-gate g (natural units), by the reverse-cumsum identity. du is [H, K] fp32.
-o, dq, dk, dv, dg have the dtypes of v, q, k, v, g.
+A is the intra-chunk matrix, fp32 [B, T, H, BT] (scale and the bonus included, zero above the
+diagonal); dA its gradient in the same layout (scaled, masked), dAd the bonus diagonal [B, T, H].
+The older one-call entry points remain, each computing what it needs itself:
+    h, ht   = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)
+    o       = chunk_output_fwd(q, k, v, gc, h, layout, scale, exclusive, u, DT, BK, BV)
+    dh, dh0 = chunk_state_bwd(q, do, gc, layout, dht, scale, exclusive, need_dh0, DT)
+    dq, dk, dg, du = chunk_dqkg_bwd(q, k, v, g, gc, u, h, do, dh, layout, scale, exclusive, DT, BK, BV)
+    dv      = chunk_dv_bwd(q, k, v, gc, u, do, dh, layout, scale, exclusive, DT, BK, BV)
+
+h0/ht/dh0/dht are [N, H, K, V] fp32 (N = B, or the number of packed sequences); h/dh are the
+per-chunk states [num_chunks, H, K, V] fp32. dg is the gradient of the raw log-gate g (natural
+units), by the reverse-cumsum identity. du is [H, K] fp32. o, dq, dk, dv, dg have the dtypes of v,
+q, k, v, g.
 
 Stability (kernels.md 0.4, 1.3): the cumsums are chunk-local fp32; every exponent is <= 0, with
 the intra-chunk matrix factored around a reference row that lies between the query and key rows
@@ -35,19 +48,21 @@ atomics: partial sums are written and reduced in PyTorch, so gradients are bitwi
 
 Building blocks for other kernels (flame.ops.common.intra, Triton device functions): `mm` (tl.dot
 with the operand-dtype rule, exact 16-bit emulation under the interpreter), `load_rows`, `load_row`,
-`load_query_gate` and `intra_chunk_matrix`. The state passes work for any gated side by
-transposition: a gate on the columns of S is a gate on the rows of S^T (pass the roles swapped).
+`load_query_gate` (and their [NB, BC, D] sub-chunk views `load_rows3`, `load_query_gate3`) and
+`intra_chunk_matrix`. The state passes work for any gated side by transposition: a gate on the
+columns of S is a gate on the rows of S^T (pass the roles swapped).
 
 Not covered here: the intra-chunk read of a gate on the value side (A = q k^T followed by a
 per-column decayed A v, GSA pass 1); flame.ops.gsa.chunk_triton builds it from these blocks.
 
-Where the time goes (H100, bf16, B8 T2048 H16 K=V=64, forward + backward 3.14 ms vs fla's 2.96,
-measured with bf16 instead of TF32 backward products and with the value-check host sync):
-the dq/dk/dg kernel 1.59 ms (its 16-step diagonal loop with gathers and [64, 64] select-reductions),
-the output and dv kernels 0.42 ms each (the intra-chunk matrix, computed in both), the state
-passes about 0.09 ms each, the cumsum 0.035 ms. The dq/dk/dg kernel uses 255 registers with
-spills at 8 warps (one program per SM); the next step is its diagonal loop: 4-row gathers on
-[4, 16, BK] views instead of [64, BK] gathers, and no cross-warp [64, 64] reductions.
+Structure, for speed (session 2): the state passes are split into a parallel per-chunk local term
+and an elementwise scan over chunks (state.py), so a long sequence with few heads no longer runs a
+few hundred programs through a chain of tensor-core steps; A is computed once in the forward and
+saved (output.py); dv writes dA, which the dq/dk/dg kernel reads whole for the off-diagonal
+sub-block products and gathers entry by entry for the exact diagonal sub-blocks, computed in an
+[NB, BC, BK] view (a 16-row sub-chunk per leading index) instead of [64, 64] select-reductions.
+Launch settings are module constants (INTRA_WARPS, DQKG_WARPS, ...); bench/ops.py --profile gives
+the per-kernel split.
 """
 
 import os
@@ -57,10 +72,10 @@ import triton
 import triton.language as tl
 
 from .cumsum import chunk_local_cumsum
-from .grads import chunk_dqkg_bwd, chunk_dv_bwd
+from .grads import chunk_dqkg_bwd, chunk_dqkg_from_dA, chunk_dv_bwd, chunk_dv_dA_bwd
 from .layout import ChunkLayout, chunk_layout
-from .output import chunk_output_fwd
-from .state import chunk_state_bwd, chunk_state_fwd
+from .output import chunk_intra_fwd, chunk_output, chunk_output_fwd
+from .state import chunk_local_states, chunk_scan_states, chunk_state_bwd, chunk_state_fwd
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -84,6 +99,7 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
 
 
 __all__ = [
-    "ChunkLayout", "block_sizes", "chunk_dqkg_bwd", "chunk_dv_bwd", "chunk_layout", "chunk_local_cumsum",
-    "chunk_output_fwd", "chunk_state_bwd", "chunk_state_fwd", "dot_dtype",
+    "ChunkLayout", "block_sizes", "chunk_dqkg_bwd", "chunk_dqkg_from_dA", "chunk_dv_bwd", "chunk_dv_dA_bwd",
+    "chunk_intra_fwd", "chunk_layout", "chunk_local_cumsum", "chunk_local_states", "chunk_output",
+    "chunk_output_fwd", "chunk_scan_states", "chunk_state_bwd", "chunk_state_fwd", "dot_dtype",
 ]

@@ -1,13 +1,16 @@
-"""The chunk backward: dq, dk and the log-gate gradient (one kernel), and dv (another).
+"""The chunk backward: dv with dA (one kernel), then dq, dk and the log-gate gradient (another).
 
-Per chunk, with dA = do v^T (the gradient of the intra-chunk matrix before scaling) and the states
-S_in (entering) and dS_out (gradient of the leaving state) from the two state passes:
+Per chunk, with the stored intra matrix A, dA = do v^T (the gradient of the intra-chunk matrix
+before scaling) and the states S_in (entering) and dS_out (gradient of the leaving state):
+    dv = A^T do + (k * exp(Γ_L - Γ)) dS_out
     dq = scale [exp(Γq) * (do S_in^T) + intra(dA)]            (+ the bonus term)
     dk = exp(Γ_L - Γ) * (v dS_out^T) + scale intra^T(dA)       (+ the bonus term)
-    dv = A^T do + (k * exp(Γ_L - Γ)) dS_out
-The intra parts use the same sub-chunk reference points as the forward (every exponent <= 0).
-The gate gradient follows identity I2 (kernels.md 0.3, 1.4): with P = q * dq' and D = k * dk'
-(dq', dk' without the bonus terms),
+The dv kernel writes dA (scaled, masked to the intra triangle, fp32 [B, T, H, BT] like A) and, with
+a bonus u, the diagonal scale (do_τ . v_τ) [B, T, H]; the dq/dk kernel reads dA back, whole for
+the off-diagonal sub-block products and by single entries (gathered loads) for the exact diagonal
+sub-blocks. The intra parts use the same sub-chunk reference points as the forward (every
+exponent <= 0). The gate gradient follows identity I2 (kernels.md 0.3, 1.4): with P = q * dq' and
+D = k * dk' (dq', dk' without the bonus terms),
     dg_m = Σ_{τ >= m} (P - D)_τ  [- P_m if EXCLUSIVE]  +  exp(Γ_L) * rowsum(S_in * dS_out) + Σ_j k_j * dk^state_j
 No autograd through exp, no per-pair gradient stored, no atomics: the bonus gradient is written
 per chunk and reduced afterwards.
@@ -19,12 +22,68 @@ import torch
 import triton
 import triton.language as tl
 
-from .intra import intra_chunk_matrix, load_query_gate, load_row, load_rows, mm, mm_tf32
+from .intra import load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm, mm_tf32
 from .layout import ChunkLayout, chunk_span
+from .output import chunk_intra_fwd
+
+DV_WARPS = 4      # launch settings (module constants so that a benchmark can sweep them)
+DQKG_WARPS = 16
+DQKG_BLOCK_K = 64  # K-block of a dq/dk/dg program (at most)
 
 
 @triton.jit
-def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dq, dk, dg, du, cu_seqlens, chunk_indices, scale,
+def _dv_kernel(k, v, gc, A, do, dh, dv, dA, dAd, cu_seqlens, chunk_indices, scale,
+               H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr,
+               WITH_DV: tl.constexpr, WITH_DA: tl.constexpr, DT: tl.constexpr):
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    m_t = rows < Tc
+    a_row = ((t0 + rows) * H + i_h) * BT
+    if WITH_DV:
+        Aw = tl.load(A + a_row[:, None] + cols[None, :], mask=m_t[:, None], other=0.0)
+    if WITH_DA:
+        dAw = tl.zeros([BT, BT], dtype=tl.float32)
+        if HAS_U:
+            dAd_ = tl.zeros([BT], dtype=tl.float32)
+    for i_v in tl.static_range(0, triton.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        dd = load_rows(do, t0, rows, m_t, i_h, cv, m_v, H, V)
+        if WITH_DA:
+            vv = load_rows(v, t0, rows, m_t, i_h, cv, m_v, H, V)
+            dAw += mm(dd, tl.trans(vv), DT)
+            if HAS_U:
+                dAd_ += tl.sum(dd * vv, axis=1)
+        if WITH_DV:
+            acc = mm_tf32(tl.trans(Aw), dd, DT)
+            for i_k in tl.static_range(0, triton.cdiv(K, BK)):
+                ck = i_k * BK + tl.arange(0, BK)
+                m_k = ck < K
+                kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
+                gk = load_rows(gc, t0, rows, m_t, i_h, ck, m_k, H, K)
+                gl = load_row(gc, t0, Tc - 1, i_h, ck, m_k, H, K)
+                kg = kk * tl.exp2(tl.where(m_t[:, None], gl[None, :] - gk, float("-inf")))
+                dS = tl.load(dh + (i_c * H + i_h) * K * V + ck[:, None] * V + cv[None, :],
+                             mask=m_k[:, None] & m_v[None, :], other=0.0)
+                acc += mm(kg, dS, DT)
+            off = ((t0 + rows)[:, None] * H + i_h) * V + cv[None, :]
+            tl.store(dv + off, acc.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    if WITH_DA:
+        if EXCLUSIVE:
+            m_A = cols[None, :] < rows[:, None]
+        else:
+            m_A = cols[None, :] <= rows[:, None]
+        tl.store(dA + a_row[:, None] + cols[None, :], tl.where(m_A, dAw * scale, 0.0), mask=m_t[:, None])
+        if HAS_U:
+            tl.store(dAd + (t0 + rows) * H + i_h, dAd_ * scale, mask=m_t)
+
+
+@triton.jit
+def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens, chunk_indices, scale,
                  H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr,
                  DT: tl.constexpr):
@@ -39,17 +98,10 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dq, dk, dg, du, cu_seqlens, chunk_in
     ck = i_k * BK + tl.arange(0, BK)
     m_k = ck < K
 
-    qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
-    kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
-    gk = load_rows(gc, t0, rows, m_t, i_h, ck, m_k, H, K)
-    gq = load_query_gate(gc, t0, rows, m_t, i_h, ck, m_k, H, K, EXCLUSIVE)
-    gl = load_row(gc, t0, Tc - 1, i_h, ck, m_k, H, K)
-
-    dA = tl.zeros([BT, BT], dtype=tl.float32)
     dq_state = tl.zeros([BT, BK], dtype=tl.float32)
     dk_state = tl.zeros([BT, BK], dtype=tl.float32)
     s_ds = tl.zeros([BK], dtype=tl.float32)
-    state_base = (i_c.to(tl.int64) * H + i_h) * K * V
+    state_base = (i_c * H + i_h) * K * V
     for i_v in tl.static_range(0, triton.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
@@ -59,124 +111,138 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dq, dk, dg, du, cu_seqlens, chunk_in
         m_kv = m_k[:, None] & m_v[None, :]
         S = tl.load(h + s_off, mask=m_kv, other=0.0)
         dS = tl.load(dh + s_off, mask=m_kv, other=0.0)
-        dA += mm(dd, tl.trans(vv), DT)
         dq_state += mm(dd, tl.trans(S), DT)
         dk_state += mm(vv, tl.trans(dS), DT)
         s_ds += tl.sum(S * dS, axis=1)
 
+    kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
+    gk = load_rows(gc, t0, rows, m_t, i_h, ck, m_k, H, K)
+    gq = load_query_gate(gc, t0, rows, m_t, i_h, ck, m_k, H, K, EXCLUSIVE)
+    gl = load_row(gc, t0, Tc - 1, i_h, ck, m_k, H, K)
     dq_ = dq_state * tl.exp2(tl.where(m_t[:, None], gq, float("-inf"))) * scale
     dk_ = dk_state * tl.exp2(tl.where(m_t[:, None], gl[None, :] - gk, float("-inf")))
     g_last = tl.exp2(gl) * s_ds + tl.sum(kk * dk_, axis=0)
 
-    if HAS_U:
-        dA_diag = tl.sum(tl.where(cols[None, :] == rows[:, None], dA, 0.0), axis=1)
-    if EXCLUSIVE:
-        m_A = cols[None, :] < rows[:, None]
-    else:
-        m_A = cols[None, :] <= rows[:, None]
-    dA = tl.where(m_A & m_t[:, None], dA, 0.0) * scale
-
+    a_row = ((t0 + rows) * H + i_h) * BT
+    dAw = tl.load(dA + a_row[:, None] + cols[None, :], mask=m_t[:, None], other=0.0)  # scaled, masked
     # queries of sub-chunk s against the keys before it (reference: the row before s)
     for s in tl.static_range(1, BT // BC):
         ref = tl.minimum(s * BC - 1, Tc - 1)
         gn = load_row(gc, t0, ref, i_h, ck, m_k, H, K)
         ks = kk * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
-        dq_ += mm_tf32(dA, ks, DT) * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
+        dq_ += mm_tf32(dAw, ks, DT) * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
+    qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
     # keys of sub-chunk s against the queries after it (reference: the last row of s)
     for s in tl.static_range(0, BT // BC - 1):
         ref = tl.minimum(s * BC + BC - 1, Tc - 1)
         gm = load_row(gc, t0, ref, i_h, ck, m_k, H, K)
         qs = qq * tl.exp2(tl.where(((rows >= (s + 1) * BC) & m_t)[:, None], gq - gm[None, :], float("-inf")))
-        dk_ += mm_tf32(tl.trans(dA), qs, DT) * tl.exp2(
+        dk_ += mm_tf32(tl.trans(dAw), qs, DT) * tl.exp2(
             tl.where(((blk == s) & m_t)[:, None], gm[None, :] - gk, float("-inf")))
-    # diagonal sub-blocks, pair by pair: column c of every sub-chunk at once
+    # diagonal sub-blocks, pair by pair, in the [NB, BC, BK] view (NB = BT // BC sub-chunks): column
+    # c of every sub-chunk at once, NB rows loaded per c; the dA entries are gathered from memory
+    NB: tl.constexpr = BT // BC
+    nb = tl.arange(0, NB)
+    ic = tl.arange(0, BC)
+    r3 = nb[:, None] * BC + ic[None, :]
+    m3 = r3 < Tc
+    dq3 = tl.reshape(dq_, [NB, BC, BK])
+    dk3 = tl.reshape(dk_, [NB, BC, BK])
+    gq3 = load_query_gate3(gc, t0, r3, m3, i_h, ck, m_k, H, K, EXCLUSIVE)
+    gk3 = load_rows3(gc, t0, r3, m3, i_h, ck, m_k, H, K)
+    a_row3 = ((t0 + r3) * H + i_h) * BT
     for c in range(0, BC):
-        j = blk * BC + c
+        j = nb * BC + c                                    # [NB]: row c of each sub-chunk
+        m_c = j < Tc
         if EXCLUSIVE:
-            m_j = (j < rows) & m_t
-            m_i = (j > rows) & (j < Tc)
+            m_j = (c < ic)[None, :] & m3                   # key j before query row (s, i)
+            m_i = (c > ic)[None, :] & m_c[:, None]         # query j after key row (s, i)
         else:
-            m_j = (j <= rows) & m_t
-            m_i = (j >= rows) & (j < Tc)
-        kj = load_rows(k, t0, j, m_j, i_h, ck, m_k, H, K)
-        gj = load_rows(gc, t0, j, m_j, i_h, ck, m_k, H, K)
-        dA_qj = tl.sum(tl.where(cols[None, :] == j[:, None], dA, 0.0), axis=1)       # dA[τ, j(τ)]
-        dq_ += dA_qj[:, None] * kj * tl.exp2(tl.where(m_j[:, None], gq - gj, float("-inf")))
-        qi = load_rows(q, t0, j, m_i, i_h, ck, m_k, H, K)
-        gi = load_query_gate(gc, t0, j, m_i, i_h, ck, m_k, H, K, EXCLUSIVE)
-        dA_ik = tl.sum(tl.where(rows[:, None] == j[None, :], dA, 0.0), axis=0)       # dA[i(κ), κ]
-        dk_ += dA_ik[:, None] * qi * tl.exp2(tl.where(m_i[:, None], gi - gk, float("-inf")))
+            m_j = (c <= ic)[None, :] & m3
+            m_i = (c >= ic)[None, :] & m_c[:, None]
+        kj = load_rows(k, t0, j, m_c, i_h, ck, m_k, H, K)
+        gj = load_rows(gc, t0, j, m_c, i_h, ck, m_k, H, K)
+        dA_qj = tl.load(dA + a_row3 + j[:, None], mask=m_j, other=0.0)                        # dA[(s,i), j]
+        dq3 += dA_qj[:, :, None] * kj[:, None, :] * tl.exp2(
+            tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf")))
+        qj = load_rows(q, t0, j, m_c, i_h, ck, m_k, H, K)
+        gqj = load_query_gate(gc, t0, j, m_c, i_h, ck, m_k, H, K, EXCLUSIVE)
+        dA_jk = tl.load(dA + (((t0 + j) * H + i_h) * BT)[:, None] + r3, mask=m_i, other=0.0)  # dA[j, (s,i)]
+        dk3 += dA_jk[:, :, None] * qj[:, None, :] * tl.exp2(
+            tl.where(m_i[:, :, None], gqj[:, None, :] - gk3, float("-inf")))
 
-    P = qq * dq_
-    dg_ = tl.cumsum(P - kk * dk_, axis=0, reverse=True) + g_last[None, :]
+    # dg by identity I2: reverse cumsum over the chunk's rows, in the [NB, BC, BK] view
+    q3 = load_rows3(q, t0, r3, m3, i_h, ck, m_k, H, K)
+    k3 = load_rows3(k, t0, r3, m3, i_h, ck, m_k, H, K)
+    P = q3 * dq3
+    X = P - k3 * dk3
+    X_sub = tl.sum(X, axis=1)                                                  # [NB, BK]
+    dg3 = tl.cumsum(X, axis=1, reverse=True) + (tl.cumsum(X_sub, axis=0, reverse=True) - X_sub)[:, None, :] \
+        + g_last[None, None, :]
     if EXCLUSIVE:
-        dg_ -= P
+        dg3 -= P
     if HAS_U:
         uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
-        dA_diag = dA_diag * scale
-        dq_ += dA_diag[:, None] * uu[None, :] * kk
-        dk_ += dA_diag[:, None] * uu[None, :] * qq
-        tl.store(du + (i_c.to(tl.int64) * H + i_h) * K + ck, tl.sum(dA_diag[:, None] * qq * kk, axis=0), mask=m_k)
-    off = ((t0 + rows)[:, None] * H + i_h) * K + ck[None, :]
-    m = m_t[:, None] & m_k[None, :]
-    tl.store(dq + off, dq_.to(dq.dtype.element_ty), mask=m)
-    tl.store(dk + off, dk_.to(dk.dtype.element_ty), mask=m)
-    tl.store(dg + off, dg_.to(dg.dtype.element_ty), mask=m)
+        dA_diag = tl.load(dAd + (t0 + r3) * H + i_h, mask=m3, other=0.0)   # scaled
+        dq3 += dA_diag[:, :, None] * uu[None, None, :] * k3
+        dk3 += dA_diag[:, :, None] * uu[None, None, :] * q3
+        tl.store(du + (i_c * H + i_h) * K + ck, tl.sum(tl.sum(dA_diag[:, :, None] * q3 * k3, axis=1), axis=0),
+                 mask=m_k)
+    off = ((t0 + r3)[:, :, None] * H + i_h) * K + ck[None, None, :]
+    m = m3[:, :, None] & m_k[None, None, :]
+    tl.store(dq + off, dq3.to(dq.dtype.element_ty), mask=m)
+    tl.store(dk + off, dk3.to(dk.dtype.element_ty), mask=m)
+    tl.store(dg + off, dg3.to(dg.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _dv_kernel(q, k, gc, u, do, dh, dv, cu_seqlens, chunk_indices, scale,
-               H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr,
-               DT: tl.constexpr):
-    i_c = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    rows = tl.arange(0, BT)
-    m_t = rows < Tc
-    cv = i_v * BV + tl.arange(0, BV)
-    m_v = cv < V
-
-    A = intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale, H, K, BT, BC, BK, EXCLUSIVE, HAS_U, DT)
-    dd = load_rows(do, t0, rows, m_t, i_h, cv, m_v, H, V)
-    acc = mm_tf32(tl.trans(A), dd, DT)
-    for i_k in tl.static_range(0, triton.cdiv(K, BK)):
-        ck = i_k * BK + tl.arange(0, BK)
-        m_k = ck < K
-        kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
-        gk = load_rows(gc, t0, rows, m_t, i_h, ck, m_k, H, K)
-        gl = load_row(gc, t0, Tc - 1, i_h, ck, m_k, H, K)
-        kg = kk * tl.exp2(tl.where(m_t[:, None], gl[None, :] - gk, float("-inf")))
-        dS = tl.load(dh + (i_c.to(tl.int64) * H + i_h) * K * V + ck[:, None] * V + cv[None, :],
-                     mask=m_k[:, None] & m_v[None, :], other=0.0)
-        acc += mm(kg, dS, DT)
-    off = ((t0 + rows)[:, None] * H + i_h) * V + cv[None, :]
-    tl.store(dv + off, acc.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+def chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout: ChunkLayout, scale: float, exclusive: bool, has_u: bool,
+                    dot_dtype, block_k: int, block_v: int, with_dv: bool = True, with_dA: bool = True):
+    """dv [B, T, H, V] in v's dtype (None unless `with_dv`; then k, gc, A and dh may be None), dA
+    [B, T, H, BT] fp32 (scaled, masked to the intra triangle; None unless `with_dA`) and, with dA and
+    `has_u`, dA's diagonal scale (do . v) [B, T, H] fp32 (else None), for `chunk_dqkg_from_dA`."""
+    B, T, H, V = v.shape
+    K = k.shape[-1] if k is not None else 1
+    BT = layout.chunk_size
+    dv = torch.empty_like(v) if with_dv else None
+    has_u = has_u and with_dA
+    dA = torch.empty(B, T, H, BT, device=v.device, dtype=torch.float32) if with_dA else None
+    dAd = torch.empty(B, T, H, device=v.device, dtype=torch.float32) if has_u else None
+    _dv_kernel[(layout.num_chunks, H)](
+        k, v, gc, A, do, dh, dv, dA, dAd, layout.cu_seqlens, layout.chunk_indices, scale,
+        H=H, K=K, V=V, BT=BT, BK=block_k, BV=block_v, EXCLUSIVE=exclusive, HAS_U=has_u,
+        WITH_DV=with_dv, WITH_DA=with_dA, DT=dot_dtype, num_warps=DV_WARPS, num_stages=1)
+    return dv, dA, dAd
 
 
-def chunk_dqkg_bwd(q, k, v, g, gc, u, h, do, dh, layout: ChunkLayout, scale: float, exclusive: bool,
-                   dot_dtype, block_k: int, block_v: int, sub_chunk: int = 16):
+def chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout: ChunkLayout, scale: float,
+                       exclusive: bool, dot_dtype, block_k: int, block_v: int, sub_chunk: int = 16):
     """dq, dk (dtypes of q, k), dg (dtype of g) [B, T, H, K], and du [H, K] fp32 (None without u)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     du = torch.empty(layout.num_chunks, H, K, device=q.device, dtype=torch.float32) if u is not None else None
+    block_k = min(block_k, DQKG_BLOCK_K)
     _dqkg_kernel[(layout.num_chunks, H, triton.cdiv(K, block_k))](
-        q, k, v, gc, u, h, do, dh, dq, dk, dg, du, layout.cu_seqlens, layout.chunk_indices, scale,
-        H=H, K=K, V=V, BT=layout.chunk_size, BC=sub_chunk, BK=block_k, BV=block_v,
-        EXCLUSIVE=exclusive, HAS_U=u is not None, DT=dot_dtype, num_warps=8 if block_k >= 64 else 4, num_stages=1)
+        q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, layout.cu_seqlens, layout.chunk_indices, scale,
+        H=H, K=K, V=V, BT=layout.chunk_size, BC=min(sub_chunk, layout.chunk_size), BK=block_k, BV=block_v,
+        EXCLUSIVE=exclusive, HAS_U=u is not None, DT=dot_dtype, num_warps=DQKG_WARPS, num_stages=1)
     return dq, dk, dg, (du.sum(0) if du is not None else None)
+
+
+def chunk_dqkg_bwd(q, k, v, g, gc, u, h, do, dh, layout: ChunkLayout, scale: float, exclusive: bool,
+                   dot_dtype, block_k: int, block_v: int, sub_chunk: int = 16):
+    """dq, dk (dtypes of q, k), dg (dtype of g) [B, T, H, K], and du [H, K] fp32 (None without u);
+    dA computed here (use chunk_dv_dA_bwd + chunk_dqkg_from_dA to share it with dv)."""
+    _, dA, dAd = chunk_dv_dA_bwd(None, v, None, None, do, None, layout, scale, exclusive, u is not None,
+                                 dot_dtype, block_k, block_v, with_dv=False)
+    return chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout, scale, exclusive,
+                              dot_dtype, block_k, block_v, sub_chunk)
 
 
 def chunk_dv_bwd(q, k, v, gc, u, do, dh, layout: ChunkLayout, scale: float, exclusive: bool,
                  dot_dtype, block_k: int, block_v: int, sub_chunk: int = 16):
-    """dv [B, T, H, V] in v's dtype."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    dv = torch.empty_like(v)
-    _dv_kernel[(layout.num_chunks, H, triton.cdiv(V, block_v))](
-        q, k, gc, u, do, dh, dv, layout.cu_seqlens, layout.chunk_indices, scale,
-        H=H, K=K, V=V, BT=layout.chunk_size, BC=sub_chunk, BK=block_k, BV=block_v,
-        EXCLUSIVE=exclusive, HAS_U=u is not None, DT=dot_dtype, num_warps=8 if block_k >= 64 else 4, num_stages=1)
+    """dv [B, T, H, V] in v's dtype (A recomputed here; use chunk_dv_dA_bwd with the forward's A)."""
+    A, _ = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, dot_dtype, block_k, sub_chunk=sub_chunk)
+    dv, _, _ = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, exclusive, False, dot_dtype,
+                               block_k, block_v, with_dA=False)
     return dv

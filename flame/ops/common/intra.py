@@ -120,3 +120,20 @@ def intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale,
             bonus = tl.sum(qq * uu[None, :] * kk, axis=1)
             A = tl.where(cols[None, :] == rows[:, None], A + bonus[:, None], A)
     return A * scale
+
+
+@triton.jit
+def load_rows3(x, t0, r3, m3, i_h, cols, m_cols, H, D: tl.constexpr):
+    """Rows r3 [NB, BC] (chunk-local: sub-chunk s, row i -> s * BC + i) of x for head i_h, columns
+    `cols`, as fp32 [NB, BC, len(cols)]: the per-sub-chunk view used by the diagonal sub-blocks."""
+    off = ((t0 + r3)[:, :, None] * H + i_h) * D + cols[None, None, :]
+    return tl.load(x + off, mask=m3[:, :, None] & m_cols[None, None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_query_gate3(gc, t0, r3, m3, i_h, cols, m_cols, H, D: tl.constexpr, EXCLUSIVE: tl.constexpr):
+    """`load_query_gate` in the [NB, BC, len(cols)] view."""
+    if EXCLUSIVE:
+        return load_rows3(gc, t0, r3 - 1, m3 & (r3 >= 1), i_h, cols, m_cols, H, D)
+    else:
+        return load_rows3(gc, t0, r3, m3, i_h, cols, m_cols, H, D)

@@ -1,7 +1,18 @@
-"""The sequential passes over chunks: the forward state pass and the reverse state-gradient pass.
+"""The passes over chunks: per-chunk local states (parallel) and the state scans (sequential, elementwise).
 
-One program per (sequence * head, K-block x V-block) walks the chunks of its sequence, keeping an
-fp32 state tile in registers and storing it once per chunk (kernels.md 1.2 stage 2, 1.4 step 2).
+The forward state recurrence over chunks (kernels.md 1.2 stage 2, identity I1) is
+    S_in(c+1) = exp(Γ_L(c)) * S_in(c) + Δ(c),    Δ(c) = Σ_j (k_j * exp(Γ_L - Γ_j)) v_j^T
+and the reverse state-gradient recurrence (1.4 step 2) is
+    dS_out(c-1) = exp(Γ_L(c)) * dS_out(c) + Δ'(c),    Δ'(c) = scale Σ_τ (q_τ * exp(Γq_τ)) do_τ^T.
+Both are split in two:
+1. the local terms Δ, Δ' of every chunk, one program per (chunk, head, K-block x V-block), fully
+   parallel (one small tensor-core product each), written into the per-chunk state buffer;
+2. a scan that walks the chunks of each sequence and, in place, replaces each chunk's local term by
+   the state entering it (forward) or the gradient of the state leaving it (reverse). The scan is
+   elementwise in K x V (the decay is diagonal), so every state element is its own chain and the
+   programs tile the flattened K*V axis: the parallelism no longer depends on the batch size, and
+   each step is a load, a multiply-add and a store (four chunks loaded ahead per iteration).
+States and state gradients are fp32 throughout.
 """
 
 from __future__ import annotations
@@ -11,105 +22,139 @@ import triton
 import triton.language as tl
 
 from .intra import load_query_gate, load_row, load_rows, mm
-from .layout import ChunkLayout
+from .layout import ChunkLayout, chunk_span
+
+LOCAL_WARPS = 8   # launch settings (module constants so that a benchmark can sweep them)
+SCAN_BLOCK = 512  # state elements per scan program
 
 
 @triton.jit
-def _state_fwd_kernel(k, v, gc, h0, h, ht, cu_seqlens, chunk_offsets,
-                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr,
-                      USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
-    i_kv = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
+def _local_states_kernel(k, v, q, do, gc, h, dh, cu_seqlens, chunk_indices, scale,
+                         H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr,
+                         FWD: tl.constexpr, BWD: tl.constexpr, DT: tl.constexpr):
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_kv = tl.program_id(2)
     i_k = i_kv // tl.cdiv(V, BV)
     i_v = i_kv % tl.cdiv(V, BV)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    rows = tl.arange(0, BT)
+    m_t = rows < Tc
     ck = i_k * BK + tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     m_k = ck < K
     m_v = cv < V
+    s_off = (i_c * H + i_h) * K * V + ck[:, None] * V + cv[None, :]
     m_kv = m_k[:, None] & m_v[None, :]
-    s_off = ck[:, None] * V + cv[None, :]
-    rows = tl.arange(0, BT)
-
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        S += tl.load(h0 + (i_n * H + i_h) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
-    for i_t in range(0, tl.cdiv(eos - bos, BT)):
-        t0 = bos + i_t * BT
-        Tc = tl.minimum(eos - t0, BT)
-        m_t = rows < Tc
-        tl.store(h + ((c0 + i_t) * H + i_h) * K * V + s_off, S, mask=m_kv)
+    if FWD:
         kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
-        vv = load_rows(v, t0, rows, m_t, i_h, cv, m_v, H, V)
         gk = load_rows(gc, t0, rows, m_t, i_h, ck, m_k, H, K)
         gl = load_row(gc, t0, Tc - 1, i_h, ck, m_k, H, K)
         kg = kk * tl.exp2(tl.where(m_t[:, None], gl[None, :] - gk, float("-inf")))
-        S = S * tl.exp2(gl)[:, None] + mm(tl.trans(kg), vv, DT)
-    if STORE_HT:
-        tl.store(ht + (i_n * H + i_h) * K * V + s_off, S, mask=m_kv)
+        vv = load_rows(v, t0, rows, m_t, i_h, cv, m_v, H, V)
+        tl.store(h + s_off, mm(tl.trans(kg), vv, DT), mask=m_kv)
+    if BWD:
+        qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
+        gq = load_query_gate(gc, t0, rows, m_t, i_h, ck, m_k, H, K, EXCLUSIVE)
+        qg = qq * tl.exp2(tl.where(m_t[:, None], gq, float("-inf"))) * scale
+        dd = load_rows(do, t0, rows, m_t, i_h, cv, m_v, H, V)
+        tl.store(dh + s_off, mm(tl.trans(qg), dd, DT), mask=m_kv)
 
 
 @triton.jit
-def _state_bwd_kernel(q, do, gc, dht, dh, dh0, cu_seqlens, chunk_offsets, scale,
-                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr,
-                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr):
+def _scan_load(x, gc, bos, eos, c0, i_t, valid, i_h, e, kidx, m_e,
+               H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Chunk i_t of the sequence [bos, eos): pointers to its state elements `e`, their local term,
+    and log2 of the chunk's decay at each element's key row (0 where not `valid`)."""
+    m = m_e & valid
+    ptr = x + ((c0 + i_t) * H + i_h) * K * V + e
+    t_last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
+    d = tl.load(ptr, mask=m, other=0.0)
+    gl = tl.load(gc + (t_last * H + i_h) * K + kidx, mask=m, other=0.0)
+    return ptr, d, gl, m
+
+
+@triton.jit
+def _scan_step(ptr, S, d, gl, m):
+    """Store the carried state for this chunk, then carry it across: S <- exp2(gl) S + local."""
+    tl.store(ptr, S, mask=m)
+    return tl.exp2(gl) * S + d
+
+
+@triton.jit
+def _scan_kernel(x, gc, init, final, cu_seqlens, chunk_offsets,
+                 H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                 REVERSE: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
-    i_kv = tl.program_id(1)
+    i_s = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
-    i_k = i_kv // tl.cdiv(V, BV)
-    i_v = i_kv % tl.cdiv(V, BV)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    ck = i_k * BK + tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    m_k = ck < K
-    m_v = cv < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    s_off = ck[:, None] * V + cv[None, :]
-    rows = tl.arange(0, BT)
-
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        dS += tl.load(dht + (i_n * H + i_h) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+    e = i_s * BS + tl.arange(0, BS)
+    m_e = e < K * V
+    kidx = e // V
+    s_off = (i_n * H + i_h) * K * V + e
+    S = tl.zeros([BS], dtype=tl.float32)
+    if USE_INIT:
+        S += tl.load(init + s_off, mask=m_e, other=0.0).to(tl.float32)
     NT = tl.cdiv(eos - bos, BT)
-    for i in range(0, NT):
-        i_t = NT - 1 - i
-        t0 = bos + i_t * BT
-        Tc = tl.minimum(eos - t0, BT)
-        m_t = rows < Tc
-        tl.store(dh + ((c0 + i_t) * H + i_h) * K * V + s_off, dS, mask=m_kv)
-        qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
-        gq = load_query_gate(gc, t0, rows, m_t, i_h, ck, m_k, H, K, EXCLUSIVE)
-        dd = load_rows(do, t0, rows, m_t, i_h, cv, m_v, H, V)
-        gl = load_row(gc, t0, Tc - 1, i_h, ck, m_k, H, K)
-        qg = qq * tl.exp2(tl.where(m_t[:, None], gq, float("-inf"))) * scale
-        dS = dS * tl.exp2(gl)[:, None] + mm(tl.trans(qg), dd, DT)
-    if STORE_DH0:
-        tl.store(dh0 + (i_n * H + i_h) * K * V + s_off, dS, mask=m_kv)
+    for i in range(0, NT, 4):
+        # four chunks' loads are issued before the four dependent steps
+        if REVERSE:
+            i0, i1, i2, i3 = NT - 1 - i, NT - 2 - i, NT - 3 - i, NT - 4 - i
+        else:
+            i0, i1, i2, i3 = i, i + 1, i + 2, i + 3
+        p0, d0, g0, m0 = _scan_load(x, gc, bos, eos, c0, i0, i < NT, i_h, e, kidx, m_e, H, K, V, BT)
+        p1, d1, g1, m1 = _scan_load(x, gc, bos, eos, c0, i1, i + 1 < NT, i_h, e, kidx, m_e, H, K, V, BT)
+        p2, d2, g2, m2 = _scan_load(x, gc, bos, eos, c0, i2, i + 2 < NT, i_h, e, kidx, m_e, H, K, V, BT)
+        p3, d3, g3, m3 = _scan_load(x, gc, bos, eos, c0, i3, i + 3 < NT, i_h, e, kidx, m_e, H, K, V, BT)
+        S = _scan_step(p0, S, d0, g0, m0)
+        S = _scan_step(p1, S, d1, g1, m1)   # an invalid chunk has gl = 0, d = 0: S is unchanged
+        S = _scan_step(p2, S, d2, g2, m2)
+        S = _scan_step(p3, S, d3, g3, m3)
+    if STORE_FINAL:
+        tl.store(final + s_off, S, mask=m_e)
 
 
-def _state_blocks(num_seqs: int, H: int, K: int, V: int) -> tuple[int, int, int, tuple[int, int]]:
-    """State tile BK x BV, warps and grid. The passes are sequential over chunks, so the parallelism
-    is N*H*(K/BK)*(V/BV) programs, and the time is (number of chunks) x (latency of one step).
-    Tiles shrink from 64 x 64 to at least 32 x 32 until about two programs per SM of a large GPU
-    are busy; smaller tiles with fewer warps made each step slower (H100, bf16: 64 x 32 with 4
-    warps took 2.8 us per chunk, 32 x 16 with 2 warps 3.8 us)."""
+def _local_grid(layout: ChunkLayout, H: int, K: int, V: int):
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    while num_seqs * H * triton.cdiv(K, BK) * triton.cdiv(V, BV) < 256 and max(BK, BV) > 32:
-        if BV >= BK:
-            BV //= 2
-        else:
-            BK //= 2
-    return BK, BV, 4, (num_seqs * H, triton.cdiv(K, BK) * triton.cdiv(V, BV))
+    return BK, BV, (layout.num_chunks, H, triton.cdiv(K, BK) * triton.cdiv(V, BV))
+
+
+def chunk_local_states(q, k, v, do, gc, layout: ChunkLayout, scale: float, exclusive: bool, dot_dtype,
+                       fwd: bool, bwd: bool):
+    """The local terms of every chunk, fp32 [num_chunks, H, K, V]: Δ (from k, v; if `fwd`) and Δ'
+    (from q, do; if `bwd`), in one launch. Unneeded inputs may be None. Returns (Δ or None, Δ' or None)."""
+    ref = k if fwd else q
+    B, T, H, K = ref.shape
+    V = (v if fwd else do).shape[-1]
+    h = torch.empty(layout.num_chunks, H, K, V, device=ref.device, dtype=torch.float32) if fwd else None
+    dh = torch.empty(layout.num_chunks, H, K, V, device=ref.device, dtype=torch.float32) if bwd else None
+    BK, BV, grid = _local_grid(layout, H, K, V)
+    _local_states_kernel[grid](
+        k, v, q, do, gc, h, dh, layout.cu_seqlens, layout.chunk_indices, scale,
+        H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, EXCLUSIVE=exclusive, FWD=fwd, BWD=bwd,
+        DT=dot_dtype, num_warps=LOCAL_WARPS, num_stages=1)
+    return h, dh
+
+
+def chunk_scan_states(x, gc, layout: ChunkLayout, init, store_final: bool, reverse: bool):
+    """In place on x [num_chunks, H, K, V] fp32 holding the local terms: each chunk's entry becomes the
+    carried state at that chunk (forward: the state entering it, from `init` h0; reverse: the
+    gradient of the state leaving it, from `init` dht). Returns (x, the state carried out of each
+    sequence [N, H, K, V] fp32, i.e. ht or dh0, or None unless `store_final`)."""
+    _, H, K, V = x.shape
+    final = torch.empty(layout.num_seqs, H, K, V, device=x.device, dtype=torch.float32) if store_final else None
+    BS = min(SCAN_BLOCK, max(32, triton.next_power_of_2(K * V)))
+    _scan_kernel[(layout.num_seqs * H, triton.cdiv(K * V, BS))](
+        x, gc, init, final, layout.cu_seqlens, layout.chunk_offsets,
+        H=H, K=K, V=V, BT=layout.chunk_size, BS=BS, REVERSE=reverse,
+        USE_INIT=init is not None, STORE_FINAL=store_final, num_warps=max(1, min(4, BS // 128)), num_stages=1)
+    return x, final
 
 
 def chunk_state_fwd(k, v, gc, layout: ChunkLayout, h0, output_final_state: bool, dot_dtype):
@@ -117,16 +162,8 @@ def chunk_state_fwd(k, v, gc, layout: ChunkLayout, h0, output_final_state: bool,
 
     S_out = exp(Γ_L) * S_in + Σ_j (k_j * exp(Γ_L - Γ_j)) v_j^T over the chunk (identity I1).
     """
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    h = torch.empty(layout.num_chunks, H, K, V, device=k.device, dtype=torch.float32)
-    ht = torch.empty(layout.num_seqs, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
-    BK, BV, warps, grid = _state_blocks(layout.num_seqs, H, K, V)
-    _state_fwd_kernel[grid](
-        k, v, gc, h0, h, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V, BT=layout.chunk_size,
-        BK=BK, BV=BV, num_warps=warps, num_stages=2,
-        USE_H0=h0 is not None, STORE_HT=output_final_state, DT=dot_dtype)
-    return h, ht
+    h, _ = chunk_local_states(None, k, v, None, gc, layout, 1.0, False, dot_dtype, fwd=True, bwd=False)
+    return chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
 
 
 def chunk_state_bwd(q, do, gc, layout: ChunkLayout, dht, scale: float, exclusive: bool, need_dh0: bool, dot_dtype):
@@ -134,13 +171,5 @@ def chunk_state_bwd(q, do, gc, layout: ChunkLayout, dht, scale: float, exclusive
 
     dS_in = exp(Γ_L) * dS_out + scale (q * exp(Γq))^T do, starting from dht (or 0) at the end.
     """
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    dh = torch.empty(layout.num_chunks, H, K, V, device=q.device, dtype=torch.float32)
-    dh0 = torch.empty(layout.num_seqs, H, K, V, device=q.device, dtype=torch.float32) if need_dh0 else None
-    BK, BV, warps, grid = _state_blocks(layout.num_seqs, H, K, V)
-    _state_bwd_kernel[grid](
-        q, do, gc, dht, dh, dh0, layout.cu_seqlens, layout.chunk_offsets, scale,
-        H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, num_warps=warps, num_stages=2, EXCLUSIVE=exclusive,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, DT=dot_dtype)
-    return dh, dh0
+    _, dh = chunk_local_states(q, None, None, do, gc, layout, scale, exclusive, dot_dtype, fwd=False, bwd=True)
+    return chunk_scan_states(dh, gc, layout, dht, need_dh0, reverse=True)

@@ -2,16 +2,20 @@
 
 RWKV6 is GLA with the gate on the key side, an exclusive query decay and the bonus u on the
 diagonal: exactly the `exclusive=True, u=u` configuration of flame.ops.common. Chunk size 64,
-sub-chunks of 16. Nothing is saved between forward and backward but the inputs: the cumsum and
-the per-chunk states are recomputed in the backward.
+sub-chunks of 16. Saved between forward and backward: the inputs and the fp32 intra-chunk matrix A
+[B, T, H, 64] (as fla does); the cumsum and the per-chunk states are recomputed in the backward.
+
+Forward: cumsum; A and the chunks' local state terms (one kernel); the state scan; the output.
+Backward: cumsum; the local terms of the states and of the state gradients (one kernel); the two
+scans; dv with dA; dq, dk, dw, du.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..common import (block_sizes, chunk_dqkg_bwd, chunk_dv_bwd, chunk_layout, chunk_local_cumsum,
-                      chunk_output_fwd, chunk_state_bwd, chunk_state_fwd, dot_dtype)
+from ..common import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
+                      chunk_local_cumsum, chunk_local_states, chunk_output, chunk_scan_states, dot_dtype)
 
 CHUNK_SIZE = 64
 
@@ -26,16 +30,17 @@ class ChunkRWKV6Function(torch.autograd.Function):
         BK, BV = block_sizes(K, V)
         h0 = initial_state.float().contiguous() if initial_state is not None else None
         gc = chunk_local_cumsum(w, layout)
-        h, ht = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)
-        o = chunk_output_fwd(r, k, v, gc, h, layout, scale, True, u, DT, BK, BV)
-        ctx.save_for_backward(r, k, v, w, u, h0)
+        A, h = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK, v=v, block_v=BV)
+        h, ht = chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
+        o = chunk_output(r, v, gc, h, A, layout, scale, True, DT, BK, BV)
+        ctx.save_for_backward(r, k, v, w, u, h0, A)
         ctx.layout, ctx.scale = layout, scale
         ctx.h0_dtype = initial_state.dtype if initial_state is not None else None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        r, k, v, w, u, h0 = ctx.saved_tensors
+        r, k, v, w, u, h0, A = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         K, V = r.shape[-1], v.shape[-1]
         DT = dot_dtype(v.dtype, K)
@@ -43,10 +48,12 @@ class ChunkRWKV6Function(torch.autograd.Function):
         do = do.contiguous()
         dht = dht.float().contiguous() if dht is not None else None
         gc = chunk_local_cumsum(w, layout)
-        h, _ = chunk_state_fwd(k, v, gc, layout, h0, False, DT)
-        dh, dh0 = chunk_state_bwd(r, do, gc, layout, dht, scale, True, h0 is not None, DT)
-        dr, dk, dw, du = chunk_dqkg_bwd(r, k, v, w, gc, u, h, do, dh, layout, scale, True, DT, BK, BV)
-        dv = chunk_dv_bwd(r, k, v, gc, u, do, dh, layout, scale, True, DT, BK, BV)
+        h, dh = chunk_local_states(r, k, v, do, gc, layout, scale, True, DT, fwd=True, bwd=True)
+        h, _ = chunk_scan_states(h, gc, layout, h0, False, reverse=False)
+        dh, dh0 = chunk_scan_states(dh, gc, layout, dht, h0 is not None, reverse=True)
+        dv, dA, dAd = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, True, True, DT, BK, BV)
+        dr, dk, dw, du = chunk_dqkg_from_dA(r, k, v, w, gc, u, h, do, dh, dA, dAd, layout, scale, True,
+                                            DT, BK, BV)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
         return dr, dk, dv, dw, du.to(u.dtype), None, dh0, None, None, None
 

@@ -50,7 +50,10 @@ from .wy_inverse_triton import unit_lower_inverse
 LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
 MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
-NUM_WARPS = 4
+# warps per program: 8 for the two large per-chunk kernels (fewer registers per thread for their many
+# [BT, BT] and [BT, K] tiles), 4 for the scans
+WARPS_CHUNK = 8
+WARPS_SCAN = 4
 
 
 def _interpreting() -> bool:
@@ -75,6 +78,14 @@ def centred_chunk_size(gate_lower_bound) -> int | None:
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _dot(x, y, LOWP: tl.constexpr, PREC: tl.constexpr):
+    """x @ y with fp32 accumulation: bf16 operands when LOWP (bf16 inputs, compiled), else fp32 (PREC)."""
+    if LOWP:
+        return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
+    return tl.dot(x, y, input_precision=PREC)
+
+
+@triton.jit
 def _row_of(X, j, BT: tl.constexpr):
     """A [BT, N] tile whose every row is row j of X, bit-exact (one-hot product in ieee fp32)."""
     cols = tl.arange(0, BT)[None, :]
@@ -83,30 +94,35 @@ def _row_of(X, j, BT: tl.constexpr):
 
 
 @triton.jit
-def _intra_pairwise_fwd(q, k, a, b, Gi, Ge, BT: tl.constexpr, PREC: tl.constexpr):
-    """Exact per-pair exponents; q is pre-scaled. Returns M^qk, M^qb (incl), M^ak, M^ab (strict).
+def _pairwise_a_side(a, k, b, Gi, Ge, BT: tl.constexpr, PREC: tl.constexpr):
+    """M^ak, M^ab (strict) with exact per-pair exponents Γ̄_τ - Γ_j <= 0.
 
-    One key column j per step: its exponents Γ_τ - Γ_j (Γ̄_τ - Γ_j) are <= 0 on the kept rows and
-    set to 0 elsewhere before exp2, then the column comes from a product with the tile holding only
-    row j of k (b), so every op stays a select, an exp2 or a tl.dot (no reductions in the loop)."""
+    One key column j per step: its exponents are <= 0 on the kept rows and set to 0 elsewhere before
+    exp2, then the column comes from a product with the tile holding only row j of k (b), so every op
+    stays a select, an exp2 or a tl.dot (no reductions in the loop)."""
     rows = tl.arange(0, BT)[:, None]
-    Mqk = tl.zeros([BT, BT], dtype=tl.float32)
-    Mqb = tl.zeros([BT, BT], dtype=tl.float32)
     Mak = tl.zeros([BT, BT], dtype=tl.float32)
     Mab = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(0, BT):
-        g_j = _row_of(Gi, j, BT)
-        incl = rows >= j
         strict = rows > j
-        qe = q * tl.exp2(tl.where(incl, Gi - g_j, 0.0))
-        ae = a * tl.exp2(tl.where(strict, Ge - g_j, 0.0))
-        k_j = tl.where(rows == j, k, 0.0)
-        b_j = tl.where(rows == j, b, 0.0)
-        Mqk += tl.where(incl, tl.dot(qe, tl.trans(k_j), input_precision=PREC), 0.0)
-        Mqb += tl.where(incl, tl.dot(qe, tl.trans(b_j), input_precision=PREC), 0.0)
-        Mak += tl.where(strict, tl.dot(ae, tl.trans(k_j), input_precision=PREC), 0.0)
-        Mab += tl.where(strict, tl.dot(ae, tl.trans(b_j), input_precision=PREC), 0.0)
-    return Mqk, Mqb, Mak, Mab
+        ae = a * tl.exp2(tl.where(strict, Ge - _row_of(Gi, j, BT), 0.0))
+        Mak += tl.where(strict, tl.dot(ae, tl.trans(tl.where(rows == j, k, 0.0)), input_precision=PREC), 0.0)
+        Mab += tl.where(strict, tl.dot(ae, tl.trans(tl.where(rows == j, b, 0.0)), input_precision=PREC), 0.0)
+    return Mak, Mab
+
+
+@triton.jit
+def _pairwise_q_side(q, k, b, Gi, BT: tl.constexpr, PREC: tl.constexpr):
+    """M^qk, M^qb (inclusive) with exact per-pair exponents Γ_τ - Γ_j <= 0; q is pre-scaled."""
+    rows = tl.arange(0, BT)[:, None]
+    Mqk = tl.zeros([BT, BT], dtype=tl.float32)
+    Mqb = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(0, BT):
+        incl = rows >= j
+        qe = q * tl.exp2(tl.where(incl, Gi - _row_of(Gi, j, BT), 0.0))
+        Mqk += tl.where(incl, tl.dot(qe, tl.trans(tl.where(rows == j, k, 0.0)), input_precision=PREC), 0.0)
+        Mqb += tl.where(incl, tl.dot(qe, tl.trans(tl.where(rows == j, b, 0.0)), input_precision=PREC), 0.0)
+    return Mqk, Mqb
 
 
 @triton.jit
@@ -163,27 +179,27 @@ def _centre_factors(Gi, Ge, BT: tl.constexpr):
 
 
 @triton.jit
-def _intra_centred_fwd(q, k, a, b, Gi, Ge, BT: tl.constexpr, QK_BF16: tl.constexpr, PREC: tl.constexpr):
+def _centred_a_side(ac, kc, bc, BT: tl.constexpr, PREC: tl.constexpr):
+    """M^ak, M^ab from the centred factors (fp32 operands: they feed the inverse)."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-    qc = q * e_q
-    kc = k * e_k
-    bc = b * e_k
-    ac = a * e_a
-    if QK_BF16:
+    Mak = tl.where(rows > cols, tl.dot(ac, tl.trans(kc), input_precision=PREC), 0.0)
+    Mab = tl.where(rows > cols, tl.dot(ac, tl.trans(bc), input_precision=PREC), 0.0)
+    return Mak, Mab
+
+
+@triton.jit
+def _centred_q_side(qc, kc, bc, BT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
+    """M^qk, M^qb from the centred factors (bf16 operands for bf16 inputs)."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    if LOWP:
         Mqk = tl.dot(qc.to(tl.bfloat16), tl.trans(kc.to(tl.bfloat16)))
         Mqb = tl.dot(qc.to(tl.bfloat16), tl.trans(bc.to(tl.bfloat16)))
     else:
         Mqk = tl.dot(qc, tl.trans(kc), input_precision=PREC)
         Mqb = tl.dot(qc, tl.trans(bc), input_precision=PREC)
-    Mak = tl.dot(ac, tl.trans(kc), input_precision=PREC)
-    Mab = tl.dot(ac, tl.trans(bc), input_precision=PREC)
-    Mqk = tl.where(rows >= cols, Mqk, 0.0)
-    Mqb = tl.where(rows >= cols, Mqb, 0.0)
-    Mak = tl.where(rows > cols, Mak, 0.0)
-    Mab = tl.where(rows > cols, Mab, 0.0)
-    return Mqk, Mqb, Mak, Mab
+    return tl.where(rows >= cols, Mqk, 0.0), tl.where(rows >= cols, Mqb, 0.0)
 
 
 @triton.jit
@@ -209,22 +225,28 @@ def _gate_cumsums(w, p_k, m_rk):
     return Gi, Gi - wl, tl.sum(wl, 0)
 
 
-@triton.jit
-def _centred_ok(w, p_k, m_rk, lower_bound):
-    """The promise w >= lower_bound, verified on this chunk's own gates."""
-    return tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
-
-
 # ------------------------------------------------------------------------------------------------
 # forward kernels
 # ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _regime_selected(w, p_k, m_rk, lower_bound, MODE: tl.constexpr):
+    """MODE 0: every chunk (exact regime); 1: the chunks whose gates keep the promise w >= lower_bound
+    (centred); 2: the chunks that break it (exact per-pair fallback at the centred chunk size)."""
+    if MODE == 0:
+        return True
+    ok = tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
+    if MODE == 1:
+        return ok
+    return ok == 0
+
 
 @triton.jit
 def _prepare_kernel(
     q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
     Qs, Es, Cs, As, Wm, Gm, Tm, Mak, Mqb,
     H, K, BT: tl.constexpr, BK: tl.constexpr,
-    CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, QK_BF16: tl.constexpr, PREC: tl.constexpr,
+    MODE: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk and head: the intra matrices, the WY inverse and the four chunk matrices Q', E, A, C
     (and, for the backward, W, G, Tm, M^ak, M^qb)."""
@@ -237,49 +259,54 @@ def _prepare_kernel(
     m_rk = m_r & (o_k < K)[None, :]
     p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
     p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
-    Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
-    b_q = _load_rows(q, p_k, m_rk) * scale
-    b_k = _load_rows(k, p_k, m_rk)
-    b_a = _load_rows(a, p_k, m_rk)
-    b_b = _load_rows(b, p_k, m_rk)
-
-    if CENTRED:
-        if _centred_ok(w, p_k, m_rk, lower_bound):
-            b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_centred_fwd(b_q, b_k, b_a, b_b, Gi, Ge, BT, QK_BF16, PREC)
+    if _regime_selected(w, p_k, m_rk, lower_bound, MODE):
+        Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
+        # a-side products first: the inverse, W and G, so that the q-side ones need not live across it
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            b_Mak, b_Mab = _centred_a_side(_load_rows(a, p_k, m_rk) * e_a, _load_rows(k, p_k, m_rk) * e_k,
+                                           _load_rows(b, p_k, m_rk) * e_k, BT, PREC)
         else:
-            b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_pairwise_fwd(b_q, b_k, b_a, b_b, Gi, Ge, BT, PREC)
-    else:
-        b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_pairwise_fwd(b_q, b_k, b_a, b_b, Gi, Ge, BT, PREC)
+            b_Mak, b_Mab = _pairwise_a_side(_load_rows(a, p_k, m_rk), _load_rows(k, p_k, m_rk),
+                                            _load_rows(b, p_k, m_rk), Gi, Ge, BT, PREC)
+        b_Tm = unit_lower_inverse(b_Mab, BT, PREC)
+        b_W = tl.dot(b_Tm, _load_rows(a, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC)
+        b_G = tl.dot(b_Tm, b_Mak, input_precision=PREC)
+        if STORE_BWD:
+            tl.store(Tm + p_t, b_Tm, mask=m_r)
+            tl.store(Mak + p_t, b_Mak.to(Mak.dtype.element_ty), mask=m_r)
+            tl.store(Wm + p_k, b_W.to(Wm.dtype.element_ty), mask=m_rk)
+            tl.store(Gm + p_t, b_G.to(Gm.dtype.element_ty), mask=m_r)
 
-    b_Tm = unit_lower_inverse(b_Mab, BT, PREC)
-    b_W = tl.dot(b_Tm, b_a * tl.exp2(Ge), input_precision=PREC)
-    b_G = tl.dot(b_Tm, b_Mak, input_precision=PREC)
-    if STORE_BWD:
-        tl.store(Wm + p_k, b_W.to(Wm.dtype.element_ty), mask=m_rk)
-        tl.store(Gm + p_t, b_G.to(Gm.dtype.element_ty), mask=m_r)
-        tl.store(Tm + p_t, b_Tm, mask=m_r)
-        tl.store(Mak + p_t, b_Mak.to(Mak.dtype.element_ty), mask=m_r)
-        tl.store(Mqb + p_t, b_Mqb.to(Mqb.dtype.element_ty), mask=m_r)
+        b_q = _load_rows(q, p_k, m_rk) * scale
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k, p_k, m_rk) * e_k,
+                                           _load_rows(b, p_k, m_rk) * e_k, BT, LOWP, PREC)
+        else:
+            b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k, p_k, m_rk), _load_rows(b, p_k, m_rk), Gi, BT, PREC)
+        if STORE_BWD:
+            tl.store(Mqb + p_t, b_Mqb.to(Mqb.dtype.element_ty), mask=m_r)
+        b_Q = b_q * tl.exp2(Gi) + _dot(b_Mqb, b_W, LOWP, PREC)
+        tl.store(Qs + p_k, b_Q.to(Qs.dtype.element_ty), mask=m_rk)
+        b_E = b_Mqk + _dot(b_Mqb, b_G, LOWP, PREC)
+        tl.store(Es + p_t, b_E.to(Es.dtype.element_ty), mask=m_r)
 
-    e_L = tl.exp2(g_L[None, :] - Gi)
-    b_bt = b_b * e_L
-    b_Q = b_q * tl.exp2(Gi) + tl.dot(b_Mqb, b_W, input_precision=PREC)
-    tl.store(Qs + p_k, b_Q.to(Qs.dtype.element_ty), mask=m_rk)
-    b_E = b_Mqk + tl.dot(b_Mqb, b_G, input_precision=PREC)
-    tl.store(Es + p_t, b_E.to(Es.dtype.element_ty), mask=m_r)
-    b_C = b_k * e_L + tl.dot(tl.trans(b_G), b_bt, input_precision=PREC)
-    tl.store(Cs + p_k, b_C.to(Cs.dtype.element_ty), mask=m_rk)
-    o_kr = tl.arange(0, BK)[:, None]
-    o_kc = tl.arange(0, BK)[None, :]
-    b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + tl.dot(tl.trans(b_bt), b_W, input_precision=PREC)
-    tl.store(As + (i_c.to(tl.int64) * H + i_h) * K * K + o_kr * K + o_kc, b_A, mask=(o_kr < K) & (o_kc < K))
+        e_L = tl.exp2(g_L[None, :] - Gi)
+        b_bt = _load_rows(b, p_k, m_rk) * e_L
+        b_C = _load_rows(k, p_k, m_rk) * e_L + _dot(tl.trans(b_G), b_bt, LOWP, PREC)
+        tl.store(Cs + p_k, b_C.to(Cs.dtype.element_ty), mask=m_rk)
+        o_kr = tl.arange(0, BK)[:, None]
+        o_kc = tl.arange(0, BK)[None, :]
+        b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + tl.dot(tl.trans(b_bt), b_W, input_precision=PREC)
+        tl.store(As + (i_c.to(tl.int64) * H + i_h) * K * K + o_kr * K + o_kc, b_A, mask=(o_kr < K) & (o_kc < K))
 
 
 @triton.jit
 def _scan_fwd_kernel(
     v, Qs, Es, Cs, As, h0, hs, ht, o, cu_seqlens, chunk_offsets,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """One sequence*head and V-block: O = Q' S + E V and S <- A S + C^T V, chunk after chunk."""
     i_nh = tl.program_id(0)
@@ -314,9 +341,9 @@ def _scan_fwd_kernel(
         b_E = _load_rows(Es, p_t, m_r)
         b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
         b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
-        b_o = tl.dot(b_Q, S, input_precision=PREC) + tl.dot(b_E, b_v, input_precision=PREC)
+        b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
         tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_r & m_v[None, :])
-        S = tl.dot(b_A, S, input_precision=PREC) + tl.dot(tl.trans(b_C), b_v, input_precision=PREC)
+        S = tl.dot(b_A, S, input_precision=PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
 
@@ -329,7 +356,7 @@ def _scan_fwd_kernel(
 def _scan_bwd_kernel(
     do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """One sequence*head and V-block, last chunk first: dV = E^T dO + C dS and dS <- A^T dS + Q'^T dO;
     dS^out of every chunk goes to dhs."""
@@ -366,9 +393,9 @@ def _scan_bwd_kernel(
         b_E = _load_rows(Es, p_t, m_r)
         b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
         b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
-        b_dv = tl.dot(tl.trans(b_E), b_do, input_precision=PREC) + tl.dot(b_C, dS, input_precision=PREC)
+        b_dv = _dot(tl.trans(b_E), b_do, LOWP, PREC) + _dot(b_C, dS, LOWP, PREC)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_r & m_v[None, :])
-        dS = tl.dot(tl.trans(b_A), dS, input_precision=PREC) + tl.dot(tl.trans(b_Q), b_do, input_precision=PREC)
+        dS = tl.dot(tl.trans(b_A), dS, input_precision=PREC) + _dot(tl.trans(b_Q), b_do, LOWP, PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
 
@@ -377,10 +404,11 @@ def _scan_bwd_kernel(
 def _chunk_bwd_kernel(
     q, w, k, v, a, b, do, hs, dhs, Wm, Gm, Tm, Mak, Mqb, cu_seqlens, chunk_info, scale, lower_bound,
     dq, dw, dk, da, db,
-    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CENTRED: tl.constexpr, PREC: tl.constexpr,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """One chunk and head: the gradients of the four chunk matrices, then W, G, B̃, the WY backward,
-    the intra backward of either regime, and dw by identity I2."""
+    the intra backward of the chunk's regime (MODE as in `_regime_selected`), and dw by identity I2."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, eos = _chunk_bounds(cu_seqlens, chunk_info, i_c, BT)
@@ -390,106 +418,104 @@ def _chunk_bwd_kernel(
     m_rk = m_r & (o_k < K)[None, :]
     p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
     p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
-    incl = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
+    if _regime_selected(w, p_k, m_rk, lower_bound, MODE):
+        incl = rows[:, None] >= rows[None, :]
+        strict = rows[:, None] > rows[None, :]
 
-    # 1. reductions over V: dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T
-    dQ = tl.zeros([BT, BK], dtype=tl.float32)
-    dE = tl.zeros([BT, BT], dtype=tl.float32)
-    dA = tl.zeros([BK, BK], dtype=tl.float32)
-    dC = tl.zeros([BT, BK], dtype=tl.float32)
-    h_base = (i_c.to(tl.int64) * H + i_h) * K * V
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = (o_v < V)[None, :]
-        s_off = o_k[:, None] * V + o_v[None, :]
-        p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        S = tl.load(hs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
-        dS = tl.load(dhs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
-        b_do = _load_rows(do, p_v, m_r & m_v)
-        b_v = _load_rows(v, p_v, m_r & m_v)
-        dQ += tl.dot(b_do, tl.trans(S), input_precision=PREC)
-        dE += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        dA += tl.dot(dS, tl.trans(S), input_precision=PREC)
-        dC += tl.dot(b_v, tl.trans(dS), input_precision=PREC)
+        # 1. reductions over V: dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T
+        dQ = tl.zeros([BT, BK], dtype=tl.float32)
+        dE = tl.zeros([BT, BT], dtype=tl.float32)
+        dA = tl.zeros([BK, BK], dtype=tl.float32)
+        dC = tl.zeros([BT, BK], dtype=tl.float32)
+        h_base = (i_c.to(tl.int64) * H + i_h) * K * V
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = (o_v < V)[None, :]
+            s_off = o_k[:, None] * V + o_v[None, :]
+            p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
+            S = tl.load(hs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
+            dS = tl.load(dhs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
+            b_do = _load_rows(do, p_v, m_r & m_v)
+            b_v = _load_rows(v, p_v, m_r & m_v)
+            dQ += _dot(b_do, tl.trans(S), LOWP, PREC)
+            dE += _dot(b_do, tl.trans(b_v), LOWP, PREC)
+            dA += _dot(dS, tl.trans(S), LOWP, PREC)
+            dC += _dot(b_v, tl.trans(dS), LOWP, PREC)
 
-    # 2. through Q' = Q̂ + M^qb W, E = M^qk + M^qb G, A = diag(e^Γ_L) + B̃^T W, C = K̃ + G^T B̃
-    Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
-    e_L = tl.exp2(g_L[None, :] - Gi)
-    b_W = _load_rows(Wm, p_k, m_rk)
-    b_G = _load_rows(Gm, p_t, m_r)
-    b_Mqb = _load_rows(Mqb, p_t, m_r)
-    b_bt = _load_rows(b, p_k, m_rk) * e_L
-    dMqb = tl.where(incl, tl.dot(dQ, tl.trans(b_W), input_precision=PREC)
-                    + tl.dot(dE, tl.trans(b_G), input_precision=PREC), 0.0)
-    dW = tl.dot(tl.trans(b_Mqb), dQ, input_precision=PREC) + tl.dot(b_bt, dA, input_precision=PREC)
-    dG = tl.dot(tl.trans(b_Mqb), dE, input_precision=PREC) + tl.dot(b_bt, tl.trans(dC), input_precision=PREC)
-    dbt = tl.dot(b_G, dC, input_precision=PREC) + tl.dot(b_W, tl.trans(dA), input_precision=PREC)
-    dMqk = tl.where(incl, dE, 0.0)
-    o_kr = tl.arange(0, BK)[:, None]
-    s_sum = tl.sum(tl.where(o_kr == o_k[None, :], dA, 0.0), 0)  # diag(dA) = rowsum(S^in * dS^out)
-    # state-path parts of the raw-input gradients and the chunk-total gate term of I2
-    b_k = _load_rows(k, p_k, m_rk)
-    b_b = _load_rows(b, p_k, m_rk)
-    dk_s = dC * e_L
-    db_s = dbt * e_L
-    g_last = tl.exp2(g_L) * s_sum + tl.sum(b_k * dk_s + b_b * db_s, 0)
+        # 2. through Q' = Q̂ + M^qb W, E = M^qk + M^qb G, A = diag(e^Γ_L) + B̃^T W, C = K̃ + G^T B̃
+        Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
+        e_L = tl.exp2(g_L[None, :] - Gi)
+        b_W = _load_rows(Wm, p_k, m_rk)
+        b_G = _load_rows(Gm, p_t, m_r)
+        b_bt = _load_rows(b, p_k, m_rk) * e_L
+        dbt = _dot(b_G, dC, LOWP, PREC) + _dot(b_W, tl.trans(dA), LOWP, PREC)
+        dMqb = tl.where(incl, _dot(dQ, tl.trans(b_W), LOWP, PREC)
+                        + _dot(dE, tl.trans(b_G), LOWP, PREC), 0.0)
+        b_Mqb = _load_rows(Mqb, p_t, m_r)
+        dW = _dot(tl.trans(b_Mqb), dQ, LOWP, PREC) + _dot(b_bt, dA, LOWP, PREC)
+        dG = _dot(tl.trans(b_Mqb), dE, LOWP, PREC) + _dot(b_bt, tl.trans(dC), LOWP, PREC)
+        dMqk = tl.where(incl, dE, 0.0)
+        o_kr = tl.arange(0, BK)[:, None]
+        s_sum = tl.sum(tl.where(o_kr == o_k[None, :], dA, 0.0), 0)  # diag(dA) = rowsum(S^in * dS^out)
+        # state-path parts of dk, db and the chunk-total gate term of I2
+        dk_s = dC * e_L
+        db_s = dbt * e_L
+        g_last = tl.exp2(g_L) * s_sum + tl.sum(_load_rows(k, p_k, m_rk) * dk_s + _load_rows(b, p_k, m_rk) * db_s, 0)
 
-    if CENTRED:
-        use_centred = _centred_ok(w, p_k, m_rk, lower_bound)
-    else:
-        use_centred = False
+        # dq (of the pre-scaled q): dQ̂ e^Γ + row side of dM^qk, dM^qb
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            i_dq = (_dot(dMqk, _load_rows(k, p_k, m_rk) * e_k, LOWP, PREC)
+                    + _dot(dMqb, _load_rows(b, p_k, m_rk) * e_k, LOWP, PREC)) * e_q
+        else:
+            i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k, p_k, m_rk), dMqb, _load_rows(b, p_k, m_rk), Gi, Gi,
+                                      False, BT, BK, PREC)
+        b_dq = dQ * tl.exp2(Gi) + i_dq
+        tl.store(dq + p_k, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rk)
+        gam = _load_rows(q, p_k, m_rk) * scale * b_dq
 
-    # dq (q pre-scaled): dq = dQ̂ e^Γ + row side of dM^qk, dM^qb
-    b_q = _load_rows(q, p_k, m_rk) * scale
-    if use_centred:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        i_dq = (tl.dot(dMqk, b_k * e_k, input_precision=PREC) + tl.dot(dMqb, b_b * e_k, input_precision=PREC)) * e_q
-    else:
-        i_dq = _pairwise_rows_bwd(dMqk, b_k, dMqb, b_b, Gi, Gi, False, BT, BK, PREC)
-    b_dq = dQ * tl.exp2(Gi) + i_dq
-    tl.store(dq + p_k, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rk)
-    gam = b_q * b_dq
+        # 3. WY backward: W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1
+        b_Tm = tl.load(Tm + p_t, mask=m_r, other=0.0)
+        e_Ge = tl.exp2(Ge)
+        dTm = tl.dot(dG, tl.trans(_load_rows(Mak, p_t, m_r)), input_precision=PREC) \
+            + tl.dot(dW, tl.trans(_load_rows(a, p_k, m_rk) * e_Ge), input_precision=PREC)
+        dMak = tl.where(strict, tl.dot(tl.trans(b_Tm), dG, input_precision=PREC), 0.0)
+        dAh = tl.dot(tl.trans(b_Tm), dW, input_precision=PREC)
+        dMab = tl.dot(tl.dot(tl.trans(b_Tm), dTm, input_precision=PREC), tl.trans(b_Tm), input_precision=PREC)
+        dMab = tl.where(strict, dMab, 0.0)
 
-    # 3. WY backward: W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1
-    b_Tm = tl.load(Tm + p_t, mask=m_r, other=0.0)
-    b_Mak = _load_rows(Mak, p_t, m_r)
-    b_a = _load_rows(a, p_k, m_rk)
-    e_Ge = tl.exp2(Ge)
-    dTm = tl.dot(dG, tl.trans(b_Mak), input_precision=PREC) + tl.dot(dW, tl.trans(b_a * e_Ge), input_precision=PREC)
-    dMak = tl.where(strict, tl.dot(tl.trans(b_Tm), dG, input_precision=PREC), 0.0)
-    dAh = tl.dot(tl.trans(b_Tm), dW, input_precision=PREC)
-    dMab = tl.dot(tl.dot(tl.trans(b_Tm), dTm, input_precision=PREC), tl.trans(b_Tm), input_precision=PREC)
-    dMab = tl.where(strict, dMab, 0.0)
-
-    # 4. da, then dk and db (column side), then dw by I2:
-    #    dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,  γ = q dq + a da - k dk - b db
-    if use_centred:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        i_da = (tl.dot(dMak, b_k * e_k, input_precision=PREC) + tl.dot(dMab, b_b * e_k, input_precision=PREC)) * e_a
-    else:
-        i_da = _pairwise_rows_bwd(dMak, b_k, dMab, b_b, Ge, Gi, True, BT, BK, PREC)
-    b_da = dAh * e_Ge + i_da
-    tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_rk)
-    g_a = b_a * b_da
-    gam += g_a
-    if use_centred:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        qc = b_q * e_q
-        ac = b_a * e_a
-        i_dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC)
-                + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
-        i_db = (tl.dot(tl.trans(dMqb), qc, input_precision=PREC)
-                + tl.dot(tl.trans(dMab), ac, input_precision=PREC)) * e_k
-    else:
-        i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
-    b_dk = dk_s + i_dk
-    b_db = db_s + i_db
-    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_rk)
-    tl.store(db + p_k, b_db.to(db.dtype.element_ty), mask=m_rk)
-    gam -= b_k * b_dk + b_b * b_db
-    rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
-    tl.store(dw + p_k, (rev - g_a + g_last[None, :]).to(dw.dtype.element_ty), mask=m_rk)
+        # 4. da, then dk and db (column side), then dw by I2:
+        #    dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,  γ = q dq + a da - k dk - b db
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            i_da = (_dot(dMak, _load_rows(k, p_k, m_rk) * e_k, LOWP, PREC)
+                    + _dot(dMab, _load_rows(b, p_k, m_rk) * e_k, LOWP, PREC)) * e_a
+        else:
+            i_da = _pairwise_rows_bwd(dMak, _load_rows(k, p_k, m_rk), dMab, _load_rows(b, p_k, m_rk), Ge, Gi,
+                                      True, BT, BK, PREC)
+        b_a = _load_rows(a, p_k, m_rk)
+        b_da = dAh * e_Ge + i_da
+        tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_rk)
+        g_a = b_a * b_da
+        gam += g_a
+        b_q = _load_rows(q, p_k, m_rk) * scale
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            qc = b_q * e_q
+            ac = b_a * e_a
+            i_dk = (_dot(tl.trans(dMqk), qc, LOWP, PREC)
+                    + _dot(tl.trans(dMak), ac, LOWP, PREC)) * e_k
+            i_db = (_dot(tl.trans(dMqb), qc, LOWP, PREC)
+                    + _dot(tl.trans(dMab), ac, LOWP, PREC)) * e_k
+        else:
+            i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
+        b_dk = dk_s + i_dk
+        b_db = db_s + i_db
+        tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_rk)
+        tl.store(db + p_k, b_db.to(db.dtype.element_ty), mask=m_rk)
+        gam -= _load_rows(k, p_k, m_rk) * b_dk + _load_rows(b, p_k, m_rk) * b_db
+        rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
+        tl.store(dw + p_k, (rev - g_a + g_last[None, :]).to(dw.dtype.element_ty), mask=m_rk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -537,6 +563,8 @@ class _Plan:
         self.centred = bt_centred is not None
         self.BT = bt_centred if self.centred else 16
         self.lower_bound = float(gate_lower_bound) if self.centred else 0.0
+        # kernel modes (`_regime_selected`): the centred chunks, then the chunks that break the bound
+        self.modes = (1, 2) if self.centred else (0,)
         self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
         self.BK = max(triton.next_power_of_2(K), 16)
         self.cu, self.chunk_info, self.chunk_offsets, self.N = _chunk_layout(B, T, self.BT, cu_seqlens, r.device)
@@ -546,8 +574,11 @@ class _Plan:
         self.BV_bwd = min(max(triton.next_power_of_2(V), 16), 64 if self.BK <= 64 else 32)
         interp = _interpreting()
         self.prec = "tf32x3" if (r.dtype == torch.float32 or interp) else "tf32"
-        self.qk_bf16 = r.dtype == torch.bfloat16 and not interp
-        self.inter_dtype = torch.float32  # per-token intermediates between kernels
+        # bf16 operands (fp32 accumulation) for every product outside the state recurrence, the a-side
+        # intra products and the WY inverse and backward; never under the interpreter (its bf16 dot is wrong)
+        self.lowp = r.dtype == torch.bfloat16 and not interp
+        # per-token intermediates between kernels: bf16 for bf16 inputs (states, A and Tm stay fp32)
+        self.inter_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
 
 
 def _prepare(plan, q, w, k, a, b, scale, store_bwd):
@@ -560,13 +591,14 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd):
         out.update(Wm=torch.empty(B, T, H, K, **it), Gm=torch.empty(B, T, H, BT, **it),
                    Tm=torch.empty(B, T, H, BT, dtype=torch.float32, device=dev),
                    Mak=torch.empty(B, T, H, BT, **it), Mqb=torch.empty(B, T, H, BT, **it))
-    _prepare_kernel[(plan.NT, H)](
-        q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
-        out["Qs"], out["Es"], out["Cs"], out["As"],
-        out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
-        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd, QK_BF16=plan.qk_bf16,
-        PREC=plan.prec, num_warps=NUM_WARPS, num_stages=1,
-    )
+    for mode in plan.modes:
+        _prepare_kernel[(plan.NT, H)](
+            q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
+            out["Qs"], out["Es"], out["Cs"], out["As"],
+            out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
+            H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd, LOWP=plan.lowp,
+            PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
+        )
     return out
 
 
@@ -593,7 +625,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
         _scan_fwd_kernel[(plan.N * H, plan.NV)](
             v, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=need_grad,
-            STORE_HT=output_final_state, PREC=plan.prec, num_warps=NUM_WARPS, num_stages=1,
+            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=1,
         )
         if need_grad:
             ctx.save_for_backward(r, w, k, v, a, b, hs)
@@ -618,16 +650,18 @@ class ChunkRWKV7Function(torch.autograd.Function):
             do, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], dht.contiguous() if dht is not None else None,
             dhs, dh0, dv, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=ctx.has_h0,
-            PREC=plan.prec, num_warps=NUM_WARPS, num_stages=1,
+            LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=1,
         )
         dr, dw, dk, da, db = (torch.empty_like(x) for x in (r, w, k, a, b))
-        _chunk_bwd_kernel[(plan.NT, H)](
-            r, w, k, v, a, b, do, hs, dhs, pre["Wm"], pre["Gm"], pre["Tm"], pre["Mak"], pre["Mqb"],
-            plan.cu, plan.chunk_info, scale, plan.lower_bound,
-            dr, dw, dk, da, db,
-            H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV_bwd, CENTRED=plan.centred, PREC=plan.prec,
-            num_warps=NUM_WARPS, num_stages=1,
-        )
+        for mode in plan.modes:
+            _chunk_bwd_kernel[(plan.NT, H)](
+                r, w, k, v, a, b, do, hs, dhs, pre["Wm"], pre["Gm"], pre["Tm"], pre["Mak"], pre["Mqb"],
+                plan.cu, plan.chunk_info, scale, plan.lower_bound,
+                dr, dw, dk, da, db,
+                H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp,
+                PREC=plan.prec,
+                num_warps=WARPS_CHUNK, num_stages=1,
+            )
         return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
 
 

@@ -51,8 +51,11 @@ LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
 MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
 # warps per program: 8 for the two large per-chunk kernels (fewer registers per thread for their many
-# [BT, BT] and [BT, K] tiles), 4 for the scans
+# [BT, BT] and [BT, K] tiles), 4 for the scans. With 3xTF32 products (fp32 inputs) the per-chunk kernels
+# compiled for 8 warps gave wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64),
+# so fp32 inputs run them on 4 warps.
 WARPS_CHUNK = 8
+WARPS_CHUNK_3XTF32 = 4
 WARPS_SCAN = 4
 
 
@@ -78,10 +81,31 @@ def centred_chunk_size(gate_lower_bound) -> int | None:
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _bf16_rn(x):
+    """fp32 x rounded to the nearest bf16 value, kept in fp32 (the interpreter's bf16 cast truncates)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast(x, ptr, LOWP: tl.constexpr):
+    """x in the element type of ptr (rounded to nearest also under the interpreter)."""
+    if LOWP == 2:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            x = _bf16_rn(x)
+    return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
 def _dot(x, y, LOWP: tl.constexpr, PREC: tl.constexpr):
-    """x @ y with fp32 accumulation: bf16 operands when LOWP (bf16 inputs, compiled), else fp32 (PREC)."""
-    if LOWP:
+    """x @ y with fp32 accumulation. LOWP 0: fp32 operands (PREC); 1: bf16 operands on the tensor cores;
+    2: the same bf16 rounding of the operands, then an fp32 product (the interpreter's stand-in for 1,
+    whose bf16 tl.dot is wrong)."""
+    if LOWP == 1:
         return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
+    if LOWP == 2:
+        return tl.dot(_bf16_rn(x), _bf16_rn(y), input_precision=PREC)
     return tl.dot(x, y, input_precision=PREC)
 
 
@@ -193,12 +217,8 @@ def _centred_q_side(qc, kc, bc, BT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.c
     """M^qk, M^qb from the centred factors (bf16 operands for bf16 inputs)."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    if LOWP:
-        Mqk = tl.dot(qc.to(tl.bfloat16), tl.trans(kc.to(tl.bfloat16)))
-        Mqb = tl.dot(qc.to(tl.bfloat16), tl.trans(bc.to(tl.bfloat16)))
-    else:
-        Mqk = tl.dot(qc, tl.trans(kc), input_precision=PREC)
-        Mqb = tl.dot(qc, tl.trans(bc), input_precision=PREC)
+    Mqk = _dot(qc, tl.trans(kc), LOWP, PREC)
+    Mqb = _dot(qc, tl.trans(bc), LOWP, PREC)
     return tl.where(rows >= cols, Mqk, 0.0), tl.where(rows >= cols, Mqb, 0.0)
 
 
@@ -274,9 +294,9 @@ def _prepare_kernel(
         b_G = tl.dot(b_Tm, b_Mak, input_precision=PREC)
         if STORE_BWD:
             tl.store(Tm + p_t, b_Tm, mask=m_r)
-            tl.store(Mak + p_t, b_Mak.to(Mak.dtype.element_ty), mask=m_r)
-            tl.store(Wm + p_k, b_W.to(Wm.dtype.element_ty), mask=m_rk)
-            tl.store(Gm + p_t, b_G.to(Gm.dtype.element_ty), mask=m_r)
+            tl.store(Mak + p_t, _cast(b_Mak, Mak, LOWP), mask=m_r)
+            tl.store(Wm + p_k, _cast(b_W, Wm, LOWP), mask=m_rk)
+            tl.store(Gm + p_t, _cast(b_G, Gm, LOWP), mask=m_r)
 
         b_q = _load_rows(q, p_k, m_rk) * scale
         if MODE == 1:
@@ -286,16 +306,16 @@ def _prepare_kernel(
         else:
             b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k, p_k, m_rk), _load_rows(b, p_k, m_rk), Gi, BT, PREC)
         if STORE_BWD:
-            tl.store(Mqb + p_t, b_Mqb.to(Mqb.dtype.element_ty), mask=m_r)
+            tl.store(Mqb + p_t, _cast(b_Mqb, Mqb, LOWP), mask=m_r)
         b_Q = b_q * tl.exp2(Gi) + _dot(b_Mqb, b_W, LOWP, PREC)
-        tl.store(Qs + p_k, b_Q.to(Qs.dtype.element_ty), mask=m_rk)
+        tl.store(Qs + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
         b_E = b_Mqk + _dot(b_Mqb, b_G, LOWP, PREC)
-        tl.store(Es + p_t, b_E.to(Es.dtype.element_ty), mask=m_r)
+        tl.store(Es + p_t, _cast(b_E, Es, LOWP), mask=m_r)
 
         e_L = tl.exp2(g_L[None, :] - Gi)
         b_bt = _load_rows(b, p_k, m_rk) * e_L
         b_C = _load_rows(k, p_k, m_rk) * e_L + _dot(tl.trans(b_G), b_bt, LOWP, PREC)
-        tl.store(Cs + p_k, b_C.to(Cs.dtype.element_ty), mask=m_rk)
+        tl.store(Cs + p_k, _cast(b_C, Cs, LOWP), mask=m_rk)
         o_kr = tl.arange(0, BK)[:, None]
         o_kc = tl.arange(0, BK)[None, :]
         b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + tl.dot(tl.trans(b_bt), b_W, input_precision=PREC)
@@ -342,7 +362,7 @@ def _scan_fwd_kernel(
         b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
         b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
         b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
-        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_r & m_v[None, :])
+        tl.store(o + p_v, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
         S = tl.dot(b_A, S, input_precision=PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
@@ -394,7 +414,7 @@ def _scan_bwd_kernel(
         b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
         b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
         b_dv = _dot(tl.trans(b_E), b_do, LOWP, PREC) + _dot(b_C, dS, LOWP, PREC)
-        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_r & m_v[None, :])
+        tl.store(dv + p_v, _cast(b_dv, dv, LOWP), mask=m_r & m_v[None, :])
         dS = tl.dot(tl.trans(b_A), dS, input_precision=PREC) + _dot(tl.trans(b_Q), b_do, LOWP, PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
@@ -465,13 +485,15 @@ def _chunk_bwd_kernel(
         # dq (of the pre-scaled q): dQ̂ e^Γ + row side of dM^qk, dM^qb
         if MODE == 1:
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            i_dq = (_dot(dMqk, _load_rows(k, p_k, m_rk) * e_k, LOWP, PREC)
-                    + _dot(dMqb, _load_rows(b, p_k, m_rk) * e_k, LOWP, PREC)) * e_q
+            # fp32 operands: the q-k pair terms of q dq and k dk cancel in the I2 sum only if both sides
+            # are products of (nearly) the same numbers; bf16 operands left dw with a 2% error
+            i_dq = (_dot(dMqk, _load_rows(k, p_k, m_rk) * e_k, 0, PREC)
+                    + _dot(dMqb, _load_rows(b, p_k, m_rk) * e_k, 0, PREC)) * e_q
         else:
             i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k, p_k, m_rk), dMqb, _load_rows(b, p_k, m_rk), Gi, Gi,
                                       False, BT, BK, PREC)
         b_dq = dQ * tl.exp2(Gi) + i_dq
-        tl.store(dq + p_k, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rk)
+        tl.store(dq + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
         gam = _load_rows(q, p_k, m_rk) * scale * b_dq
 
         # 3. WY backward: W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1
@@ -495,7 +517,7 @@ def _chunk_bwd_kernel(
                                       True, BT, BK, PREC)
         b_a = _load_rows(a, p_k, m_rk)
         b_da = dAh * e_Ge + i_da
-        tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_rk)
+        tl.store(da + p_k, _cast(b_da, da, LOWP), mask=m_rk)
         g_a = b_a * b_da
         gam += g_a
         b_q = _load_rows(q, p_k, m_rk) * scale
@@ -503,19 +525,18 @@ def _chunk_bwd_kernel(
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
             qc = b_q * e_q
             ac = b_a * e_a
-            i_dk = (_dot(tl.trans(dMqk), qc, LOWP, PREC)
-                    + _dot(tl.trans(dMak), ac, LOWP, PREC)) * e_k
+            i_dk = (_dot(tl.trans(dMqk), qc, 0, PREC) + _dot(tl.trans(dMak), ac, 0, PREC)) * e_k
             i_db = (_dot(tl.trans(dMqb), qc, LOWP, PREC)
                     + _dot(tl.trans(dMab), ac, LOWP, PREC)) * e_k
         else:
             i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
         b_dk = dk_s + i_dk
         b_db = db_s + i_db
-        tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_rk)
-        tl.store(db + p_k, b_db.to(db.dtype.element_ty), mask=m_rk)
+        tl.store(dk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
+        tl.store(db + p_k, _cast(b_db, db, LOWP), mask=m_rk)
         gam -= _load_rows(k, p_k, m_rk) * b_dk + _load_rows(b, p_k, m_rk) * b_db
         rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
-        tl.store(dw + p_k, (rev - g_a + g_last[None, :]).to(dw.dtype.element_ty), mask=m_rk)
+        tl.store(dw + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -559,14 +580,17 @@ class _Plan:
     def __init__(self, r, v, cu_seqlens, gate_lower_bound):
         B, T, H, K = r.shape
         V = v.shape[-1]
+        self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
+        self.BK = max(triton.next_power_of_2(K), 16)
         bt_centred = centred_chunk_size(gate_lower_bound)
+        if bt_centred is not None and self.BK > 64 and r.dtype != torch.bfloat16:
+            # fp32/fp16 products at K > 64 need C <= 32 to fit the per-chunk backward in shared memory
+            bt_centred = min(bt_centred, 32)
         self.centred = bt_centred is not None
         self.BT = bt_centred if self.centred else 16
         self.lower_bound = float(gate_lower_bound) if self.centred else 0.0
         # kernel modes (`_regime_selected`): the centred chunks, then the chunks that break the bound
         self.modes = (1, 2) if self.centred else (0,)
-        self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
-        self.BK = max(triton.next_power_of_2(K), 16)
         self.cu, self.chunk_info, self.chunk_offsets, self.N = _chunk_layout(B, T, self.BT, cu_seqlens, r.device)
         self.NT = self.chunk_info.shape[0]
         self.BV = _scan_block_v(self.N, H, V)
@@ -574,9 +598,10 @@ class _Plan:
         self.BV_bwd = min(max(triton.next_power_of_2(V), 16), 64 if self.BK <= 64 else 32)
         interp = _interpreting()
         self.prec = "tf32x3" if (r.dtype == torch.float32 or interp) else "tf32"
-        # bf16 operands (fp32 accumulation) for every product outside the state recurrence, the a-side
-        # intra products and the WY inverse and backward; never under the interpreter (its bf16 dot is wrong)
-        self.lowp = r.dtype == torch.bfloat16 and not interp
+        self.warps_chunk = WARPS_CHUNK_3XTF32 if self.prec == "tf32x3" else WARPS_CHUNK
+        # bf16 operands (fp32 accumulation) for the products outside the state recurrence, the a-side
+        # intra products and the WY inverse and backward (`_dot`; emulated under the interpreter)
+        self.lowp = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
         # per-token intermediates between kernels: bf16 for bf16 inputs (states, A and Tm stay fp32)
         self.inter_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
 
@@ -597,7 +622,7 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd):
             out["Qs"], out["Es"], out["Cs"], out["As"],
             out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
             H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd, LOWP=plan.lowp,
-            PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
+            PREC=plan.prec, num_warps=plan.warps_chunk, num_stages=1,
         )
     return out
 
@@ -660,7 +685,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
                 dr, dw, dk, da, db,
                 H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp,
                 PREC=plan.prec,
-                num_warps=WARPS_CHUNK, num_stages=1,
+                num_warps=plan.warps_chunk, num_stages=1,
             )
         return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
 

@@ -14,6 +14,19 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@torch.compiler.disable
+def run_eager(kernel_fn, *args):
+    """Call a Triton-backed op outside torch.compile's tracing.
+
+    Per-block torch.compile would otherwise trace into the op's autograd Function and hand the
+    Triton kernels to Inductor, which retypes Python float arguments as fp64 (failed to compile on
+    the H100: "Both operands must be same dtype. Got fp64 and fp32") and, under the interpreter,
+    fake-traces numpy pointer arithmetic. The compiled graph breaks around the op instead; the
+    projections, norms and feed-forward around it still compile.
+    """
+    return kernel_fn(*args)
+
+
 def resolve_backend(backend: str, device: torch.device, op: str) -> str:
     """The backend that runs `op` on tensors of `device`.
 

@@ -225,24 +225,6 @@ def test_failure5_chunk_matches_recurrent():
         assert_close(f"d{name} chunk vs recurrent", g_r[name], g_c[name], 1e-4)
 
 
-# --- inside torch.compile (the trainer compiles each block) -----------------------------------------
-
-@pytest.mark.parametrize("op", [chunk_rwkv6, fused_recurrent_rwkv6], ids=["chunk", "recurrent"])
-def test_inside_torch_compile(op):
-    """The Triton ops run eagerly (a graph break) inside a compiled function, with the same results."""
-    inputs = _inputs(T=40, H=2, K=16, V=16, seed=14)
-
-    def loss(r, k, v, w, u, initial_state):
-        o, state = op(r * 1.0, k, v, w, u, initial_state=initial_state, output_final_state=True, backend="triton")
-        return (o * 2).sum() + state.sum()
-
-    leaves = list(inputs.values())
-    eager = torch.autograd.grad(loss(*leaves), leaves)
-    compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager")(*leaves), leaves)
-    for name, a, b in zip(inputs, eager, compiled):
-        assert torch.equal(a, b), f"d{name} differs under torch.compile"
-
-
 # --- GPU: bf16, long sequences, realistic sizes ----------------------------------------------------
 
 @pytest.mark.gpu

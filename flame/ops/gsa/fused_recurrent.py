@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend
+from ..backend import resolve_backend, run_eager
 from ..checks import check_gsa_inputs
 from ..decay_chunks import compute_dtype
 from .naive import naive_gsa
@@ -23,5 +23,5 @@ def fused_recurrent_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_fin
     check_gsa_inputs("fused_recurrent_gsa", q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
     if resolve_backend(backend, q.device, "fused_recurrent_gsa") == "triton":
         from .fused_recurrent_triton import fused_recurrent_gsa_triton
-        return fused_recurrent_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
+        return run_eager(fused_recurrent_gsa_triton, q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
     return fused_recurrent_gsa_torch(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)

@@ -58,7 +58,6 @@ class ChunkRWKV6Function(torch.autograd.Function):
         return dr, dk, dv, dw, du.to(u.dtype), None, dh0, None, None, None
 
 
-@torch.compiler.disable  # the Triton launches run eagerly inside compiled blocks (a graph break)
 def chunk_rwkv6_triton(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state=False,
                        cu_seqlens=None, chunk_size: int = CHUNK_SIZE):
     """Chunked RWKV6 in Triton: (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend
+from ..backend import resolve_backend, run_eager
 from ..checks import check_rwkv6_inputs
 from ..decay_chunks import compute_dtype
 from .naive import naive_rwkv6
@@ -23,5 +23,5 @@ def fused_recurrent_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_f
     check_rwkv6_inputs("fused_recurrent_rwkv6", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
     if resolve_backend(backend, r.device, "fused_recurrent_rwkv6") == "triton":
         from .fused_recurrent_triton import fused_recurrent_rwkv6_triton
-        return fused_recurrent_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
+        return run_eager(fused_recurrent_rwkv6_triton, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
     return fused_recurrent_rwkv6_torch(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)

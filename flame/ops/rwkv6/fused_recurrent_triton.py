@@ -228,7 +228,6 @@ class FusedRecurrentRWKV6Function(torch.autograd.Function):
         return dr, dk, dv, dw, du_part.sum(0).to(u.dtype), None, dh0, None, None
 
 
-@torch.compiler.disable  # the Triton launches run eagerly inside compiled blocks (a graph break)
 def fused_recurrent_rwkv6_triton(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state=False,
                                  cu_seqlens=None):
     """Token-by-token RWKV6 in Triton: (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend
+from ..backend import resolve_backend, run_eager
 from ..checks import check_rwkv7_inputs
 from ..decay_chunks import compute_dtype
 from .naive import naive_rwkv7
@@ -24,5 +24,5 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, outpu
                        cu_seqlens, gate_lower_bound)
     if resolve_backend(backend, r.device, "fused_recurrent_rwkv7") == "triton":
         from .fused_recurrent_triton import fused_recurrent_rwkv7_triton
-        return fused_recurrent_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
+        return run_eager(fused_recurrent_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
     return fused_recurrent_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

@@ -32,10 +32,18 @@ Intra regimes (kernels.md 2.3):
   the default, with BT = 16;
 - centred tensor-core factorisation around the middle row m: taken only when the caller gives a
   gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124, and then
-  only for chunks whose gates really are >= lb (checked inside the kernels, per chunk, no host
-  sync). A chunk that breaks the promise falls back to the exact per-pair path.
-Operands of the centred q-side products are bf16 for bf16 inputs, otherwise fp32 (tf32), never
-fp16 (the 2.3 fp16 caveat); the a-side products and the inverse are always fp32 (tf32).
+  only for chunks whose gates really are >= lb, checked inside the kernels per chunk, with no host
+  sync: `_prepare` and `_chunk_bwd` run twice, MODE 1 on the chunks that keep the promise (centred)
+  and MODE 2 on those that break it (exact per-pair at the same chunk size); each program skips the
+  chunks that are not its mode's. (One program holding both paths needed twice the registers.)
+
+Precision: decay cumsums, states, state gradients, A, Tm and every product on the state recurrence
+or the WY inverse and backward are fp32 (3xTF32 for fp32 inputs, TF32 otherwise). For bf16 inputs
+the per-token intermediates between kernels are bf16, and the remaining products take bf16 operands
+with fp32 accumulation (`_dot`, LOWP), except the q-k intra products of dq and dk, whose pair terms
+must cancel in the I2 sum of dw. fp16 inputs keep fp32 operands (the 2.3 fp16 caveat). Under the
+interpreter, whose bf16 tl.dot is wrong and whose bf16 cast truncates, LOWP = 2 reproduces the same
+round-to-nearest operand rounding around fp32 products.
 """
 
 import math
@@ -596,6 +604,8 @@ class _Plan:
         self.BV = _scan_block_v(self.N, H, V)
         self.NV = triton.cdiv(V, self.BV)
         self.BV_bwd = min(max(triton.next_power_of_2(V), 16), 64 if self.BK <= 64 else 32)
+        # the scans prefetch the next chunk's matrices (2 stages) where shared memory allows
+        self.scan_stages = 2 if self.BK <= 64 else 1
         interp = _interpreting()
         self.prec = "tf32x3" if (r.dtype == torch.float32 or interp) else "tf32"
         self.warps_chunk = WARPS_CHUNK_3XTF32 if self.prec == "tf32x3" else WARPS_CHUNK
@@ -627,10 +637,6 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd):
     return out
 
 
-def _cache_by_default(plan) -> bool:
-    return False
-
-
 class ChunkRWKV7Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, gate_lower_bound,
@@ -639,8 +645,6 @@ class ChunkRWKV7Function(torch.autograd.Function):
         plan = _Plan(r, v, cu_seqlens, gate_lower_bound)
         H, K, V = plan.H, plan.K, plan.V
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 4, 5, 7))
-        if cache_intermediates is None:
-            cache_intermediates = _cache_by_default(plan)
         cache = need_grad and cache_intermediates
         pre = _prepare(plan, r, w, k, a, b, scale, store_bwd=cache)
         hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32) if need_grad else None
@@ -650,7 +654,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
         _scan_fwd_kernel[(plan.N * H, plan.NV)](
             v, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=need_grad,
-            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=1,
+            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
         )
         if need_grad:
             ctx.save_for_backward(r, w, k, v, a, b, hs)
@@ -675,7 +679,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
             do, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], dht.contiguous() if dht is not None else None,
             dhs, dh0, dv, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=ctx.has_h0,
-            LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=1,
+            LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
         )
         dr, dw, dk, da, db = (torch.empty_like(x) for x in (r, w, k, a, b))
         for mode in plan.modes:
@@ -691,13 +695,14 @@ class ChunkRWKV7Function(torch.autograd.Function):
 
 
 def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                       gate_lower_bound=None, cache_intermediates=None):
+                       gate_lower_bound=None, cache_intermediates=False):
     """Chunked RWKV7 with Triton, forward and backward. Inputs are already validated.
 
     gate_lower_bound: a claim that w >= bound everywhere. It selects the centred tensor-core regime
     only if it passes the fp32 headroom rule, and each chunk re-checks it on its own gates before
     using it. cache_intermediates: keep the per-chunk forward intermediates for the backward instead
-    of recomputing them (faster backward, more memory); None decides by size.
+    of recomputing them (faster backward; about (4 K + 4 BT) bf16/fp32 values per token and head, plus
+    K*K fp32 per chunk and head, more memory, which is why it is off by default).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

@@ -37,13 +37,14 @@ Intra regimes (kernels.md 2.3):
   and MODE 2 on those that break it (exact per-pair at the same chunk size); each program skips the
   chunks that are not its mode's. (One program holding both paths needed twice the registers.)
 
-Precision: decay cumsums, states, state gradients, A, Tm and every product on the state recurrence
-or the WY inverse and backward are fp32 (3xTF32 for fp32 inputs, TF32 otherwise). For bf16 inputs
-the per-token intermediates between kernels are bf16, and the remaining products take bf16 operands
-with fp32 accumulation (`_dot`, LOWP), except the q-k intra products of dq and dk, whose pair terms
-must cancel in the I2 sum of dw. fp16 inputs keep fp32 operands (the 2.3 fp16 caveat). Under the
-interpreter, whose bf16 tl.dot is wrong and whose bf16 cast truncates, LOWP = 2 reproduces the same
-round-to-nearest operand rounding around fp32 products.
+Precision: every product is fp32-accurate (3xTF32), with fp32 decay cumsums, states, state
+gradients and intermediates, except for bf16 inputs: the q-side intra products M^qk, M^qb take bf16
+operands, and the scans' per-token matrices Q', E, C are stored in bf16 and multiplied with bf16
+operands (fp32 accumulation, `_dot` with LOWP) everywhere but in the recurrence A S itself. Plain TF32
+overflowed a trained head (commit 18d7abb); bf16 in W, G or the backward's products cost up to 4x the
+error there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
+operands (the 2.3 fp16 caveat). Under the interpreter, whose bf16 tl.dot is wrong and whose bf16 cast
+truncates, LOWP = 2 reproduces the same round-to-nearest operand rounding around fp32 products.
 """
 
 import math
@@ -58,12 +59,10 @@ from .wy_inverse_triton import unit_lower_inverse
 LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
 MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
-# warps per program: 8 for the two large per-chunk kernels (fewer registers per thread for their many
-# [BT, BT] and [BT, K] tiles), 4 for the scans. With 3xTF32 products (fp32 inputs) the per-chunk kernels
-# compiled for 8 warps gave wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64),
-# so fp32 inputs run them on 4 warps.
-WARPS_CHUNK = 8
-WARPS_CHUNK_3XTF32 = 4
+# warps per program: 4 everywhere. The per-chunk kernels compiled for 8 warps with 3xTF32 products
+# gave wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64; session 1 and
+# this session's first GPU run alike), although 8 warps would halve their registers per thread.
+WARPS_CHUNK = 4
 WARPS_SCAN = 4
 
 
@@ -315,14 +314,14 @@ def _prepare_kernel(
             b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k, p_k, m_rk), _load_rows(b, p_k, m_rk), Gi, BT, PREC)
         if STORE_BWD:
             tl.store(Mqb + p_t, _cast(b_Mqb, Mqb, LOWP), mask=m_r)
-        b_Q = b_q * tl.exp2(Gi) + _dot(b_Mqb, b_W, LOWP, PREC)
+        b_Q = b_q * tl.exp2(Gi) + tl.dot(b_Mqb, b_W, input_precision=PREC)
         tl.store(Qs + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
-        b_E = b_Mqk + _dot(b_Mqb, b_G, LOWP, PREC)
+        b_E = b_Mqk + tl.dot(b_Mqb, b_G, input_precision=PREC)
         tl.store(Es + p_t, _cast(b_E, Es, LOWP), mask=m_r)
 
         e_L = tl.exp2(g_L[None, :] - Gi)
         b_bt = _load_rows(b, p_k, m_rk) * e_L
-        b_C = _load_rows(k, p_k, m_rk) * e_L + _dot(tl.trans(b_G), b_bt, LOWP, PREC)
+        b_C = _load_rows(k, p_k, m_rk) * e_L + tl.dot(tl.trans(b_G), b_bt, input_precision=PREC)
         tl.store(Cs + p_k, _cast(b_C, Cs, LOWP), mask=m_rk)
         o_kr = tl.arange(0, BK)[:, None]
         o_kc = tl.arange(0, BK)[None, :]
@@ -465,10 +464,10 @@ def _chunk_bwd_kernel(
             dS = tl.load(dhs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
             b_do = _load_rows(do, p_v, m_r & m_v)
             b_v = _load_rows(v, p_v, m_r & m_v)
-            dQ += _dot(b_do, tl.trans(S), LOWP, PREC)
-            dE += _dot(b_do, tl.trans(b_v), LOWP, PREC)
-            dA += _dot(dS, tl.trans(S), LOWP, PREC)
-            dC += _dot(b_v, tl.trans(dS), LOWP, PREC)
+            dQ += tl.dot(b_do, tl.trans(S), input_precision=PREC)
+            dE += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+            dA += tl.dot(dS, tl.trans(S), input_precision=PREC)
+            dC += tl.dot(b_v, tl.trans(dS), input_precision=PREC)
 
         # 2. through Q' = Q̂ + M^qb W, E = M^qk + M^qb G, A = diag(e^Γ_L) + B̃^T W, C = K̃ + G^T B̃
         Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
@@ -476,12 +475,12 @@ def _chunk_bwd_kernel(
         b_W = _load_rows(Wm, p_k, m_rk)
         b_G = _load_rows(Gm, p_t, m_r)
         b_bt = _load_rows(b, p_k, m_rk) * e_L
-        dbt = _dot(b_G, dC, LOWP, PREC) + _dot(b_W, tl.trans(dA), LOWP, PREC)
-        dMqb = tl.where(incl, _dot(dQ, tl.trans(b_W), LOWP, PREC)
-                        + _dot(dE, tl.trans(b_G), LOWP, PREC), 0.0)
+        dbt = tl.dot(b_G, dC, input_precision=PREC) + tl.dot(b_W, tl.trans(dA), input_precision=PREC)
+        dMqb = tl.where(incl, tl.dot(dQ, tl.trans(b_W), input_precision=PREC)
+                        + tl.dot(dE, tl.trans(b_G), input_precision=PREC), 0.0)
         b_Mqb = _load_rows(Mqb, p_t, m_r)
-        dW = _dot(tl.trans(b_Mqb), dQ, LOWP, PREC) + _dot(b_bt, dA, LOWP, PREC)
-        dG = _dot(tl.trans(b_Mqb), dE, LOWP, PREC) + _dot(b_bt, tl.trans(dC), LOWP, PREC)
+        dW = tl.dot(tl.trans(b_Mqb), dQ, input_precision=PREC) + tl.dot(b_bt, dA, input_precision=PREC)
+        dG = tl.dot(tl.trans(b_Mqb), dE, input_precision=PREC) + tl.dot(b_bt, tl.trans(dC), input_precision=PREC)
         dMqk = tl.where(incl, dE, 0.0)
         o_kr = tl.arange(0, BK)[:, None]
         s_sum = tl.sum(tl.where(o_kr == o_k[None, :], dA, 0.0), 0)  # diag(dA) = rowsum(S^in * dS^out)
@@ -493,10 +492,8 @@ def _chunk_bwd_kernel(
         # dq (of the pre-scaled q): dQ̂ e^Γ + row side of dM^qk, dM^qb
         if MODE == 1:
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            # fp32 operands: the q-k pair terms of q dq and k dk cancel in the I2 sum only if both sides
-            # are products of (nearly) the same numbers; bf16 operands left dw with a 2% error
-            i_dq = (_dot(dMqk, _load_rows(k, p_k, m_rk) * e_k, 0, PREC)
-                    + _dot(dMqb, _load_rows(b, p_k, m_rk) * e_k, 0, PREC)) * e_q
+            i_dq = (tl.dot(dMqk, _load_rows(k, p_k, m_rk) * e_k, input_precision=PREC)
+                    + tl.dot(dMqb, _load_rows(b, p_k, m_rk) * e_k, input_precision=PREC)) * e_q
         else:
             i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k, p_k, m_rk), dMqb, _load_rows(b, p_k, m_rk), Gi, Gi,
                                       False, BT, BK, PREC)
@@ -518,8 +515,8 @@ def _chunk_bwd_kernel(
         #    dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,  γ = q dq + a da - k dk - b db
         if MODE == 1:
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            i_da = (_dot(dMak, _load_rows(k, p_k, m_rk) * e_k, LOWP, PREC)
-                    + _dot(dMab, _load_rows(b, p_k, m_rk) * e_k, LOWP, PREC)) * e_a
+            i_da = (tl.dot(dMak, _load_rows(k, p_k, m_rk) * e_k, input_precision=PREC)
+                    + tl.dot(dMab, _load_rows(b, p_k, m_rk) * e_k, input_precision=PREC)) * e_a
         else:
             i_da = _pairwise_rows_bwd(dMak, _load_rows(k, p_k, m_rk), dMab, _load_rows(b, p_k, m_rk), Ge, Gi,
                                       True, BT, BK, PREC)
@@ -533,9 +530,9 @@ def _chunk_bwd_kernel(
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
             qc = b_q * e_q
             ac = b_a * e_a
-            i_dk = (_dot(tl.trans(dMqk), qc, 0, PREC) + _dot(tl.trans(dMak), ac, 0, PREC)) * e_k
-            i_db = (_dot(tl.trans(dMqb), qc, LOWP, PREC)
-                    + _dot(tl.trans(dMab), ac, LOWP, PREC)) * e_k
+            i_dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC) + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
+            i_db = (tl.dot(tl.trans(dMqb), qc, input_precision=PREC)
+                    + tl.dot(tl.trans(dMab), ac, input_precision=PREC)) * e_k
         else:
             i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
         b_dk = dk_s + i_dk
@@ -591,8 +588,8 @@ class _Plan:
         self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
         self.BK = max(triton.next_power_of_2(K), 16)
         bt_centred = centred_chunk_size(gate_lower_bound)
-        if bt_centred is not None and self.BK > 64 and r.dtype != torch.bfloat16:
-            # fp32/fp16 products at K > 64 need C <= 32 to fit the per-chunk backward in shared memory
+        if bt_centred is not None and self.BK > 64:
+            # 3xTF32 products at K > 64 need C <= 32 to fit the per-chunk backward in shared memory
             bt_centred = min(bt_centred, 32)
         self.centred = bt_centred is not None
         self.BT = bt_centred if self.centred else 16
@@ -607,32 +604,37 @@ class _Plan:
         # the scans prefetch the next chunk's matrices (2 stages) where shared memory allows
         self.scan_stages = 2 if self.BK <= 64 else 1
         interp = _interpreting()
-        self.prec = "tf32x3" if (r.dtype == torch.float32 or interp) else "tf32"
-        self.warps_chunk = WARPS_CHUNK_3XTF32 if self.prec == "tf32x3" else WARPS_CHUNK
+        # fp32-accurate products (3xTF32) for every input dtype: with plain TF32 the nilpotent-product
+        # inverse and the state scan lost so much that a trained RWKV7-340M head (bf16, T = 2048, slow
+        # decays, aligned kappa) overflowed to inf by chunk 29 on the H100 (commit 18d7abb,
+        # tests/ops/test_rwkv7_bf16_trained_head.py)
+        self.prec = "tf32x3"
         # bf16 operands (fp32 accumulation) for the products outside the state recurrence, the a-side
         # intra products and the WY inverse and backward (`_dot`; emulated under the interpreter)
         self.lowp = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
-        # per-token intermediates between kernels: bf16 for bf16 inputs (states, A and Tm stay fp32)
-        self.inter_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
+        # Q', E, C (the scans' per-token operands) in bf16 for bf16 inputs; states, A and the backward's
+        # W, G, Tm, M^ak, M^qb stay fp32 (in bf16 those cost da and db 4x the error on the trained head)
+        self.scan_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
 
 
 def _prepare(plan, q, w, k, a, b, scale, store_bwd):
     B, T, H, K, BT = plan.B, plan.T, plan.H, plan.K, plan.BT
     dev = q.device
-    it = dict(dtype=plan.inter_dtype, device=dev)
+    it = dict(dtype=plan.scan_dtype, device=dev)
     out = dict(Qs=torch.empty(B, T, H, K, **it), Es=torch.empty(B, T, H, BT, **it), Cs=torch.empty(B, T, H, K, **it),
                As=torch.empty(plan.NT, H, K, K, dtype=torch.float32, device=dev))
     if store_bwd:
-        out.update(Wm=torch.empty(B, T, H, K, **it), Gm=torch.empty(B, T, H, BT, **it),
-                   Tm=torch.empty(B, T, H, BT, dtype=torch.float32, device=dev),
-                   Mak=torch.empty(B, T, H, BT, **it), Mqb=torch.empty(B, T, H, BT, **it))
+        f32 = dict(dtype=torch.float32, device=dev)
+        out.update(Wm=torch.empty(B, T, H, K, **f32), Gm=torch.empty(B, T, H, BT, **f32),
+                   Tm=torch.empty(B, T, H, BT, **f32), Mak=torch.empty(B, T, H, BT, **f32),
+                   Mqb=torch.empty(B, T, H, BT, **f32))
     for mode in plan.modes:
         _prepare_kernel[(plan.NT, H)](
             q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
             out["Qs"], out["Es"], out["Cs"], out["As"],
             out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
             H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd, LOWP=plan.lowp,
-            PREC=plan.prec, num_warps=plan.warps_chunk, num_stages=1,
+            PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
         )
     return out
 
@@ -689,7 +691,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
                 dr, dw, dk, da, db,
                 H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp,
                 PREC=plan.prec,
-                num_warps=plan.warps_chunk, num_stages=1,
+                num_warps=WARPS_CHUNK, num_stages=1,
             )
         return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
 

@@ -1,0 +1,57 @@
+"""Side by side: the logged steps of two runs' metrics.jsonl (bench/train_check.sh).
+
+    python bench/train_compare.py [--equal] RUN_A/metrics.jsonl RUN_B/metrics.jsonl
+
+With --equal the exit status is 1 unless every step both runs logged has the same loss and grad
+norm, bit for bit (a resumed run against the uninterrupted one), and 1 when they share no step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def load(path: str) -> tuple[dict[int, dict], dict[int, float]]:
+    """(step -> training record, step -> validation loss) of one metrics.jsonl."""
+    steps, val = {}, {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "loss" in record:
+                steps[record["step"]] = record
+            elif "val_loss" in record:
+                val.setdefault(record["step"], record["val_loss"])
+    return steps, val
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--equal", action="store_true", help="fail unless the shared steps are bitwise equal")
+    parser.add_argument("a")
+    parser.add_argument("b")
+    args = parser.parse_args()
+    (a, val_a), (b, val_b) = load(args.a), load(args.b)
+    common = sorted(set(a) & set(b))
+    print("step  loss_a   loss_b   rel_diff  gnorm_a  gnorm_b  tok/s/dev_a tok/s/dev_b  mfu_a  mfu_b  mem_a")
+    for step in common:
+        x, y = a[step], b[step]
+        print(f"{step:4d} {x['loss']:.5f} {y['loss']:.5f} {abs(x['loss'] - y['loss']) / abs(x['loss']):.2e} "
+              f"{x['grad_norm']:8.3f} {y['grad_norm']:8.3f} {x['tokens_per_s_per_device']:11.0f} "
+              f"{y['tokens_per_s_per_device']:11.0f} {x.get('mfu', 0):.3f} {y.get('mfu', 0):.3f} "
+              f"{x.get('memory_gib', 0):5.1f}")
+    for step in sorted(val_a):
+        print(f"val {step}: {val_a[step]} {val_b.get(step)}")
+    if not args.equal:
+        return 0
+    differ = [s for s in common if (a[s]["loss"], a[s]["grad_norm"]) != (b[s]["loss"], b[s]["grad_norm"])]
+    if not common or differ:
+        print(f"NOT EQUAL: {len(common)} shared steps, differing at {differ or 'none shared'}")
+        return 1
+    print(f"EQUAL: {len(common)} shared steps, bitwise")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,10 +31,9 @@ run() {  # name, timeout, launcher args..., -- trainer args...
   timeout "$limit" "$@" --job.dump_folder "$RUNS/$name" > "$OUTDIR/$name.log" 2>&1
   echo "=== $name exit $?"
   grep -v tokenizing "$OUTDIR/$name.log" | grep -E "step |error|Error|resumed|fsdp|model:" | tail -30
-  true
 }
-resume_from_25() {  # name of the straight run, name of the resumed run, launcher...
-  local a=$1 b=$2; shift 2
+copy_checkpoint() {  # from run a to run b: a's step-$EVERY checkpoint, which b then resumes from
+  local a=$1 b=$2
   mkdir -p "$RUNS/$b/checkpoint"
   cp -r "$RUNS/$a/checkpoint/step-$EVERY" "$RUNS/$b/checkpoint/"
 }
@@ -43,7 +42,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 case $MODE in
   h100|cpu-smoke)
     run gpu1_straight 210 python3 -m flame.train "${COMMON[@]}" --training.batch_size 8
-    resume_from_25 gpu1_straight gpu1_resumed
+    copy_checkpoint gpu1_straight gpu1_resumed
     run gpu1_resumed 130 python3 -m flame.train "${COMMON[@]}" --training.batch_size 8
     python3 bench/train_compare.py --equal "$RUNS/gpu1_straight/metrics.jsonl" "$RUNS/gpu1_resumed/metrics.jsonl"
     ;;

@@ -1,4 +1,4 @@
-"""Side by side: the logged steps of two runs' metrics.jsonl (bench/train_check.sh).
+"""Side by side: the logged training steps of two runs' metrics.jsonl (bench/train_check.sh).
 
     python bench/train_compare.py [--equal] RUN_A/metrics.jsonl RUN_B/metrics.jsonl
 
@@ -9,21 +9,10 @@ norm, bit for bit (a resumed run against the uninterrupted one), and 1 when they
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 
-
-def load(path: str) -> tuple[dict[int, dict], dict[int, float]]:
-    """(step -> training record, step -> validation loss) of one metrics.jsonl."""
-    steps, val = {}, {}
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            if "loss" in record:
-                steps[record["step"]] = record
-            elif "val_loss" in record:
-                val.setdefault(record["step"], record["val_loss"])
-    return steps, val
+from scale import read_metrics  # bench/scale.py: the training records of a metrics.jsonl
 
 
 def main() -> int:
@@ -32,7 +21,8 @@ def main() -> int:
     parser.add_argument("a")
     parser.add_argument("b")
     args = parser.parse_args()
-    (a, val_a), (b, val_b) = load(args.a), load(args.b)
+    a = {r["step"]: r for r in read_metrics(Path(args.a))}
+    b = {r["step"]: r for r in read_metrics(Path(args.b))}
     common = sorted(set(a) & set(b))
     print("step  loss_a   loss_b   rel_diff  gnorm_a  gnorm_b  tok/s/dev_a tok/s/dev_b  mfu_a  mfu_b  mem_a")
     for step in common:
@@ -41,8 +31,6 @@ def main() -> int:
               f"{x['grad_norm']:8.3f} {y['grad_norm']:8.3f} {x['tokens_per_s_per_device']:11.0f} "
               f"{y['tokens_per_s_per_device']:11.0f} {x.get('mfu', 0):.3f} {y.get('mfu', 0):.3f} "
               f"{x.get('memory_gib', 0):5.1f}")
-    for step in sorted(val_a):
-        print(f"val {step}: {val_a[step]} {val_b.get(step)}")
     if not args.equal:
         return 0
     differ = [s for s in common if (a[s]["loss"], a[s]["grad_norm"]) != (b[s]["loss"], b[s]["grad_norm"])]

@@ -32,9 +32,8 @@ def test_triton_op_inside_torch_compile_equals_eager(family, op):
         o, state = op(**kw, backend="triton")
         return o * 2, state
 
-    eager = forward_backward(lambda **kw: run(**kw), inputs)
-    compiled_fn = torch.compile(run, backend="aot_eager")
-    compiled = forward_backward(lambda **kw: compiled_fn(**kw), inputs)
+    eager = forward_backward(run, inputs)
+    compiled = forward_backward(torch.compile(run, backend="aot_eager"), inputs)
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
     assert eager[2].keys() == compiled[2].keys()
     for name in eager[2]:

@@ -16,33 +16,28 @@ import torch
 
 from flame.ops import chunk_rwkv7, fused_recurrent_rwkv7, naive_rwkv7
 from tests.ops.assertions import assert_close, assert_finite
+from tests.ops.inputs import forward_backward
 
 DATA = Path(__file__).parent / "data" / "rwkv7_340M_layer1_head3_bf16.pt"
 BOUND = -0.6065306597126334  # the RWKV7 layer's gate_lower_bound (centred regime)
-
-
-def run(fn, inputs, do, **kw):
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    o, _ = fn(*leaves, scale=1.0, **kw)
-    grads = torch.autograd.grad(o, leaves, do.to(o.dtype))
-    return o.detach(), grads
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["chunk_centred", "chunk_exact", "fused_recurrent"])
 def test_trained_head_bf16_stays_finite_and_matches_fp64(op):
     data = torch.load(DATA, map_location="cuda")
-    inputs = [data[name] for name in "rwkvab"]
-    do = torch.randn(inputs[3].shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    o_ref, g_ref = run(naive_rwkv7, [t.double() for t in inputs], do.double())
+    inputs = {name: data[name].requires_grad_() for name in "rwkvab"}
+    reference = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
+    # the same seeded output gradient for both (forward_backward draws it in fp64, then casts)
+    o_ref, _, g_ref = forward_backward(naive_rwkv7, reference, with_dht=False, scale=1.0)
     fn, kw = {
         "chunk_centred": (chunk_rwkv7, {"gate_lower_bound": BOUND, "backend": "triton"}),
         "chunk_exact": (chunk_rwkv7, {"backend": "triton"}),
         "fused_recurrent": (fused_recurrent_rwkv7, {"backend": "triton"}),
     }[op]
-    o, grads = run(fn, inputs, do, **kw)
+    o, _, grads = forward_backward(fn, inputs, with_dht=False, scale=1.0, **kw)
     assert_finite("o", o)
     assert_close("o", o_ref, o, 1e-2)
-    for name, g, ref in zip("rwkvab", grads, g_ref):
-        assert_finite(f"d{name}", g)
-        assert_close(f"d{name}", ref, g, 2e-2)
+    for name in "rwkvab":
+        assert_finite(f"d{name}", grads[name])
+        assert_close(f"d{name}", g_ref[name], grads[name], 2e-2)

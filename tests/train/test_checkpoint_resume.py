@@ -43,6 +43,13 @@ def straight_and_resumed(tmp_path_factory):
     return root, straight, resumed, start_step
 
 
+def copy_of_straight_run(straight_and_resumed, dump):
+    """A copy of the 8-step run's dump folder (checkpoints at 4 and 8), for a test to damage."""
+    root, *_ = straight_and_resumed
+    shutil.copytree(root / "straight", dump)
+    return dump
+
+
 def test_resume_reproduces_steps_5_to_8_bitwise(straight_and_resumed):
     root, straight, resumed, start_step = straight_and_resumed
     assert start_step == 4  # the interrupted step-6 save was ignored
@@ -63,9 +70,7 @@ def test_a_save_of_the_same_step_replaces_the_partial_one(straight_and_resumed):
 
 
 def test_corrupt_checkpoint_gives_a_clear_error(straight_and_resumed, tmp_path):
-    root, *_ = straight_and_resumed
-    dump = tmp_path / "corrupt"
-    shutil.copytree(root / "straight", dump)
+    dump = copy_of_straight_run(straight_and_resumed, tmp_path / "corrupt")
     shard = next((dump / "checkpoint" / "step-8").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])  # truncated
     with pytest.raises(CheckpointError, match=r"step-8 could not be loaded, it is corrupt"):
@@ -73,18 +78,14 @@ def test_corrupt_checkpoint_gives_a_clear_error(straight_and_resumed, tmp_path):
 
 
 def test_checkpoint_without_metadata_gives_a_clear_error(straight_and_resumed, tmp_path):
-    root, *_ = straight_and_resumed
-    dump = tmp_path / "partial"
-    shutil.copytree(root / "straight", dump)
+    dump = copy_of_straight_run(straight_and_resumed, tmp_path / "partial")
     (dump / "checkpoint" / "step-8" / ".metadata").unlink()
     with pytest.raises(CheckpointError, match=r"step-8 is incomplete: DCP metadata"):
         Trainer(run_config(dump))
 
 
 def test_missing_load_step_is_named(straight_and_resumed, tmp_path):
-    root, *_ = straight_and_resumed
-    dump = tmp_path / "copy"
-    shutil.copytree(root / "straight", dump)
+    dump = copy_of_straight_run(straight_and_resumed, tmp_path / "copy")
     with pytest.raises(CheckpointError, match=r"load_step=6: no complete checkpoint.*\[4, 8\]"):
         Trainer(run_config(dump, load_step=6))
 

@@ -5,27 +5,46 @@ every factor is an exp2 of a non-positive number) and Γ̄ the exclusive one:
 
     M^qk = tril_incl(sc q e^{Γ_τ-Γ_j} k^T)   M^qb = tril_incl(sc q e^{Γ_τ-Γ_j} b^T)
     M^ak = strict(a e^{Γ̄_τ-Γ_j} k^T)          M^ab = strict(a e^{Γ̄_τ-Γ_j} b^T)
-    Tm = (I - M^ab)^-1,  W = Tm Â,  G = Tm M^ak,  U = G V
-    P = U + W S^in,  O = Q̂ S^in + M^qk V + M^qb P,  S^out = e^{Γ_L} S^in + K̃^T V + B̃^T P
+    Tm = (I - M^ab)^-1,  W = Tm Â,  G = Tm M^ak,  P = G V + W S^in
+    O = Q̂ S^in + M^qk V + M^qb P,  S^out = e^{Γ_L} S^in + K̃^T V + B̃^T P
 
-Kernels, forward: `_prepare` (one program per chunk and head: cumsum, the four M matrices, the
-inverse, W, G, U, gated vectors), `_state` (the sequential scan over chunks, one program per
-sequence*head and V-block, whole K), `_output` (one program per chunk, head and V-block).
-Backward: `_prepare` again unless its outputs were cached, `_dstate` (reverse scan, dS^out of every
-chunk and dh0), `_backward_state` (one program per chunk and head: every contraction over V, and
-dv), and `_backward_intra` (one program per chunk and head: the WY backward
-dM^ab = strict(Tm^T dTm Tm^T), the intra backward and dw by the reverse cumsum of identity I2).
-No atomics anywhere: the backward is deterministic. Head dims K > 128 do not fit one program's
-tiles and run on the fused recurrent kernels instead.
+A chunk is therefore one linear map of (S^in, V) with four per-chunk matrices that do not depend on
+the state, which `_prepare` computes in parallel over all chunks:
+
+    O     = Q' S^in + E V          Q' = Q̂ + M^qb W            [BT, K]
+    S^out = A S^in + C^T V         E  = M^qk + M^qb G          [BT, BT]
+                                   A  = diag(e^{Γ_L}) + B̃^T W  [K, K]
+                                   C  = K̃ + G^T B̃              [BT, K]
+
+The sequential scans then do two products per chunk and the output comes out of the forward scan:
+    forward  (`_scan_fwd`): O = Q' S + E V;  S <- A S + C^T V
+    backward (`_scan_bwd`): dV = E^T dO + C dS;  dS <- A^T dS + Q'^T dO     (dS = dS^out of the chunk)
+`_chunk_bwd` (one program per chunk and head) takes the chunk's S^in, dS^out, dO and V, forms
+dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T (reductions over V), carries them back through
+the four definitions to M^qk, M^qb, W, G, B̃, then through the WY representation
+(dM^ab = strict(Tm^T dTm Tm^T), kernels.md 2.4) and the intra products to dq, dk, da, db, and dw by
+the reverse cumsum of identity I2. No atomics anywhere: the backward is deterministic. The backward
+runs `_prepare` again unless its intermediates were cached in the forward. Head dims K > 128 do not
+fit one program's tiles and run on the fused recurrent kernels instead.
 
 Intra regimes (kernels.md 2.3):
 - exact per-pair exponents (any gate): a loop over the key column with exponents Γ_τ - Γ_j <= 0;
   the default, with BT = 16;
 - centred tensor-core factorisation around the middle row m: taken only when the caller gives a
   gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124, and then
-  only for chunks whose gates really are >= lb (checked inside the kernel, per chunk, no host
-  sync). A chunk that breaks the promise falls back to the exact per-pair path.
-Operands of the centred products are fp32 (tf32) or bf16, never fp16 (the 2.3 fp16 caveat).
+  only for chunks whose gates really are >= lb, checked inside the kernels per chunk, with no host
+  sync: `_prepare` and `_chunk_bwd` run twice, MODE 1 on the chunks that keep the promise (centred)
+  and MODE 2 on those that break it (exact per-pair at the same chunk size); each program skips the
+  chunks that are not its mode's. (One program holding both paths needed twice the registers.)
+
+Precision: every product is fp32-accurate (3xTF32), with fp32 decay cumsums, states, state
+gradients and intermediates, except for bf16 inputs: the q-side intra products M^qk, M^qb take bf16
+operands, and the scans' per-token matrices Q', E, C are stored in bf16 and multiplied with bf16
+operands (fp32 accumulation, `_dot` with LOWP) everywhere but in the recurrence A S itself. Plain TF32
+overflowed a trained head (commit 18d7abb); bf16 in W, G or the backward's products cost up to 4x the
+error there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
+operands (the 2.3 fp16 caveat). Under the interpreter, whose bf16 tl.dot is wrong and whose bf16 cast
+truncates, LOWP = 2 reproduces the same round-to-nearest operand rounding around fp32 products.
 """
 
 import math
@@ -40,9 +59,11 @@ from .wy_inverse_triton import unit_lower_inverse
 LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
 MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
-# 4 warps for every chunk kernel: on an H100 (triton 3.6) the BT = 64 intra-backward kernel compiled for
-# 8 warps hit an illegal memory access, while 4 warps matched the fused recurrent kernel to 3e-7 (fp32)
-NUM_WARPS = 4
+# warps per program: 4 everywhere. The per-chunk kernels compiled for 8 warps with 3xTF32 products
+# gave wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64; session 1 and
+# this session's first GPU run alike), although 8 warps would halve their registers per thread.
+WARPS_CHUNK = 4
+WARPS_SCAN = 4
 
 
 def _interpreting() -> bool:
@@ -67,131 +88,168 @@ def centred_chunk_size(gate_lower_bound) -> int | None:
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _intra_pairwise_fwd(q, k, a, b, G, Gb, BT: tl.constexpr, PREC: tl.constexpr):
-    """Exact per-pair exponents; q is pre-scaled. Returns M^qk, M^qb (incl), M^ak, M^ab (strict).
+def _bf16_rn(x):
+    """fp32 x rounded to the nearest bf16 value, kept in fp32 (the interpreter's bf16 cast truncates)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
 
-    One key column j per step: its exponents Γ_τ - Γ_j (Γ̄_τ - Γ_j) are <= 0 on the kept rows and
-    set to 0 elsewhere before exp2, then the column comes from a product with the tile holding only
-    row j of k (b), so every op stays a select, an exp2 or a tl.dot (no reductions in the loop)."""
-    rows = tl.arange(0, BT)[:, None]
+
+@triton.jit
+def _cast(x, ptr, LOWP: tl.constexpr):
+    """x in the element type of ptr (rounded to nearest also under the interpreter)."""
+    if LOWP == 2:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            x = _bf16_rn(x)
+    return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _dot(x, y, LOWP: tl.constexpr, PREC: tl.constexpr):
+    """x @ y with fp32 accumulation. LOWP 0: fp32 operands (PREC); 1: bf16 operands on the tensor cores;
+    2: the same bf16 rounding of the operands, then an fp32 product (the interpreter's stand-in for 1,
+    whose bf16 tl.dot is wrong)."""
+    if LOWP == 1:
+        return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
+    if LOWP == 2:
+        return tl.dot(_bf16_rn(x), _bf16_rn(y), input_precision=PREC)
+    return tl.dot(x, y, input_precision=PREC)
+
+
+@triton.jit
+def _row_of(X, j, BT: tl.constexpr):
+    """A [BT, N] tile whose every row is row j of X, bit-exact (one-hot product in ieee fp32)."""
     cols = tl.arange(0, BT)[None, :]
     zero_tt = tl.zeros([BT, BT], dtype=tl.float32)
-    Mqk = tl.zeros([BT, BT], dtype=tl.float32)
-    Mqb = tl.zeros([BT, BT], dtype=tl.float32)
+    return tl.dot(tl.where(cols == j, 1.0, 0.0) + zero_tt, X, input_precision="ieee")
+
+
+@triton.jit
+def _pairwise_a_side(a, k, b, Gi, Ge, BT: tl.constexpr, PREC: tl.constexpr):
+    """M^ak, M^ab (strict) with exact per-pair exponents Γ̄_τ - Γ_j <= 0.
+
+    One key column j per step: its exponents are <= 0 on the kept rows and set to 0 elsewhere before
+    exp2, then the column comes from a product with the tile holding only row j of k (b), so every op
+    stays a select, an exp2 or a tl.dot (no reductions in the loop)."""
+    rows = tl.arange(0, BT)[:, None]
     Mak = tl.zeros([BT, BT], dtype=tl.float32)
     Mab = tl.zeros([BT, BT], dtype=tl.float32)
     for j in range(0, BT):
-        # every row = row j of Γ, bit-exact (one-hot product in ieee fp32; no nested call, no reduction)
-        g_j = tl.dot(tl.where(cols == j, 1.0, 0.0) + zero_tt, G, input_precision="ieee")
-        incl = rows >= j
         strict = rows > j
-        qe = q * tl.exp2(tl.where(incl, G - g_j, 0.0))
-        ae = a * tl.exp2(tl.where(strict, Gb - g_j, 0.0))
-        k_j = tl.where(rows == j, k, 0.0)
-        b_j = tl.where(rows == j, b, 0.0)
-        Mqk += tl.where(incl, tl.dot(qe, tl.trans(k_j), input_precision=PREC), 0.0)
-        Mqb += tl.where(incl, tl.dot(qe, tl.trans(b_j), input_precision=PREC), 0.0)
-        Mak += tl.where(strict, tl.dot(ae, tl.trans(k_j), input_precision=PREC), 0.0)
-        Mab += tl.where(strict, tl.dot(ae, tl.trans(b_j), input_precision=PREC), 0.0)
-    return Mqk, Mqb, Mak, Mab
+        ae = a * tl.exp2(tl.where(strict, Ge - _row_of(Gi, j, BT), 0.0))
+        Mak += tl.where(strict, tl.dot(ae, tl.trans(tl.where(rows == j, k, 0.0)), input_precision=PREC), 0.0)
+        Mab += tl.where(strict, tl.dot(ae, tl.trans(tl.where(rows == j, b, 0.0)), input_precision=PREC), 0.0)
+    return Mak, Mab
 
 
 @triton.jit
-def _intra_pairwise_bwd(q, k, a, b, G, Gb, dMqk, dMqb, dMak, dMab, BT: tl.constexpr, BK: tl.constexpr,
-                        PREC: tl.constexpr):
-    """Gradients of the four (masked) M matrices into q (pre-scaled), k, a, b, exact per pair."""
+def _pairwise_q_side(q, k, b, Gi, BT: tl.constexpr, PREC: tl.constexpr):
+    """M^qk, M^qb (inclusive) with exact per-pair exponents Γ_τ - Γ_j <= 0; q is pre-scaled."""
+    rows = tl.arange(0, BT)[:, None]
+    Mqk = tl.zeros([BT, BT], dtype=tl.float32)
+    Mqb = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(0, BT):
+        incl = rows >= j
+        qe = q * tl.exp2(tl.where(incl, Gi - _row_of(Gi, j, BT), 0.0))
+        Mqk += tl.where(incl, tl.dot(qe, tl.trans(tl.where(rows == j, k, 0.0)), input_precision=PREC), 0.0)
+        Mqb += tl.where(incl, tl.dot(qe, tl.trans(tl.where(rows == j, b, 0.0)), input_precision=PREC), 0.0)
+    return Mqk, Mqb
+
+
+@triton.jit
+def _pairwise_rows_bwd(dM1, x1, dM2, x2, Gr, Gi, STRICT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       PREC: tl.constexpr):
+    """Row-side gradient of two masked M matrices, exact per pair:
+    out_τ = Σ_j (dM1[τ,j] x1_j + dM2[τ,j] x2_j) e^{Gr_τ - Γ_j}  (dq: Gr = Γ, incl; da: Gr = Γ̄, strict)."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    zero_tt = tl.zeros([BT, BT], dtype=tl.float32)
-    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    out = tl.zeros([BT, BK], dtype=tl.float32)
+    for j in range(0, BT):
+        g_j = _row_of(Gi, j, BT)
+        if STRICT:
+            keep = rows > j
+        else:
+            keep = rows >= j
+        e = tl.exp2(tl.where(keep, Gr - g_j, 0.0))
+        x1_j = tl.where(rows == j, x1, 0.0)
+        x2_j = tl.where(rows == j, x2, 0.0)
+        d1 = tl.where(cols == j, dM1, 0.0)
+        d2 = tl.where(cols == j, dM2, 0.0)
+        out += (tl.dot(d1, x1_j, input_precision=PREC) + tl.dot(d2, x2_j, input_precision=PREC)) * e
+    return out
+
+
+@triton.jit
+def _pairwise_cols_bwd(q, a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT: tl.constexpr, BK: tl.constexpr,
+                       PREC: tl.constexpr):
+    """Column-side gradients, exact per pair: dk_j = Σ_τ dM^qk[τ,j] e^{Γ_τ-Γ_j} q_τ + dM^ak[τ,j] e^{Γ̄_τ-Γ_j} a_τ,
+    and db_j the same with dM^qb, dM^ab."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
     dk = tl.zeros([BT, BK], dtype=tl.float32)
-    da = tl.zeros([BT, BK], dtype=tl.float32)
     db = tl.zeros([BT, BK], dtype=tl.float32)
     for j in range(0, BT):
-        # every row = row j of Γ, bit-exact (one-hot product in ieee fp32; no nested call, no reduction)
-        g_j = tl.dot(tl.where(cols == j, 1.0, 0.0) + zero_tt, G, input_precision="ieee")
-        e_q = tl.exp2(tl.where(rows >= j, G - g_j, 0.0))
-        e_a = tl.exp2(tl.where(rows > j, Gb - g_j, 0.0))
-        k_j = tl.where(rows == j, k, 0.0)
-        b_j = tl.where(rows == j, b, 0.0)
+        g_j = _row_of(Gi, j, BT)
+        qe = q * tl.exp2(tl.where(rows >= j, Gi - g_j, 0.0))
+        ae = a * tl.exp2(tl.where(rows > j, Ge - g_j, 0.0))
         d_qk = tl.where(cols == j, dMqk, 0.0)
-        d_qb = tl.where(cols == j, dMqb, 0.0)
         d_ak = tl.where(cols == j, dMak, 0.0)
+        d_qb = tl.where(cols == j, dMqb, 0.0)
         d_ab = tl.where(cols == j, dMab, 0.0)
-        dq += (tl.dot(d_qk, k_j, input_precision=PREC) + tl.dot(d_qb, b_j, input_precision=PREC)) * e_q
-        da += (tl.dot(d_ak, k_j, input_precision=PREC) + tl.dot(d_ab, b_j, input_precision=PREC)) * e_a
-        qe = q * e_q
-        ae = a * e_a
         dk += tl.dot(tl.trans(d_qk), qe, input_precision=PREC) + tl.dot(tl.trans(d_ak), ae, input_precision=PREC)
         db += tl.dot(tl.trans(d_qb), qe, input_precision=PREC) + tl.dot(tl.trans(d_ab), ae, input_precision=PREC)
-    return dq, dk, da, db
+    return dk, db
 
 
 @triton.jit
-def _centre_factors(G, Gb, BT: tl.constexpr):
+def _centre_factors(Gi, Ge, BT: tl.constexpr):
     """exp2 factors around the middle row m: q side e^{Γ-Γm}, k/b side e^{Γm-Γ}, a side e^{Γ̄-Γm}."""
     rows = tl.arange(0, BT)
-    g_m = tl.sum(tl.where((rows == BT // 2)[:, None], G, 0.0), 0)[None, :]
-    return tl.exp2(G - g_m), tl.exp2(g_m - G), tl.exp2(Gb - g_m)
+    g_m = tl.sum(tl.where((rows == BT // 2)[:, None], Gi, 0.0), 0)[None, :]
+    return tl.exp2(Gi - g_m), tl.exp2(g_m - Gi), tl.exp2(Ge - g_m)
 
 
 @triton.jit
-def _intra_centred_fwd(q, k, a, b, G, Gb, BT: tl.constexpr, QK_BF16: tl.constexpr, PREC: tl.constexpr):
+def _centred_a_side(ac, kc, bc, BT: tl.constexpr, PREC: tl.constexpr):
+    """M^ak, M^ab from the centred factors (fp32 operands: they feed the inverse)."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    e_q, e_k, e_a = _centre_factors(G, Gb, BT)
-    qc = q * e_q
-    kc = k * e_k
-    bc = b * e_k
-    ac = a * e_a
-    if QK_BF16:
-        Mqk = tl.dot(qc.to(tl.bfloat16), tl.trans(kc.to(tl.bfloat16)))
-        Mqb = tl.dot(qc.to(tl.bfloat16), tl.trans(bc.to(tl.bfloat16)))
-    else:
-        Mqk = tl.dot(qc, tl.trans(kc), input_precision=PREC)
-        Mqb = tl.dot(qc, tl.trans(bc), input_precision=PREC)
-    Mak = tl.dot(ac, tl.trans(kc), input_precision=PREC)
-    Mab = tl.dot(ac, tl.trans(bc), input_precision=PREC)
-    Mqk = tl.where(rows >= cols, Mqk, 0.0)
-    Mqb = tl.where(rows >= cols, Mqb, 0.0)
-    Mak = tl.where(rows > cols, Mak, 0.0)
-    Mab = tl.where(rows > cols, Mab, 0.0)
-    return Mqk, Mqb, Mak, Mab
+    Mak = tl.where(rows > cols, tl.dot(ac, tl.trans(kc), input_precision=PREC), 0.0)
+    Mab = tl.where(rows > cols, tl.dot(ac, tl.trans(bc), input_precision=PREC), 0.0)
+    return Mak, Mab
 
 
 @triton.jit
-def _intra_centred_bwd(q, k, a, b, G, Gb, dMqk, dMqb, dMak, dMab, BT: tl.constexpr, PREC: tl.constexpr):
-    e_q, e_k, e_a = _centre_factors(G, Gb, BT)
-    qc = q * e_q
-    kc = k * e_k
-    bc = b * e_k
-    ac = a * e_a
-    dq = (tl.dot(dMqk, kc, input_precision=PREC) + tl.dot(dMqb, bc, input_precision=PREC)) * e_q
-    dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC) + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
-    db = (tl.dot(tl.trans(dMqb), qc, input_precision=PREC) + tl.dot(tl.trans(dMab), ac, input_precision=PREC)) * e_k
-    da = (tl.dot(dMak, kc, input_precision=PREC) + tl.dot(dMab, bc, input_precision=PREC)) * e_a
-    return dq, dk, da, db
+def _centred_q_side(qc, kc, bc, BT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
+    """M^qk, M^qb from the centred factors (bf16 operands for bf16 inputs)."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    Mqk = _dot(qc, tl.trans(kc), LOWP, PREC)
+    Mqb = _dot(qc, tl.trans(bc), LOWP, PREC)
+    return tl.where(rows >= cols, Mqk, 0.0), tl.where(rows >= cols, Mqb, 0.0)
 
 
 @triton.jit
-def _load_chunk(q, w, k, a, b, cu_seqlens, chunk_info, i_c, i_h, scale,
-                H, K, BT: tl.constexpr, BK: tl.constexpr):
-    """Locate chunk i_c, load its q (scaled), w, k, a, b as fp32 [BT, BK] and build the cumsums."""
+def _chunk_bounds(cu_seqlens, chunk_info, i_c, BT: tl.constexpr):
+    """First token (int64) of chunk i_c and the end of its sequence."""
     i_n = tl.load(chunk_info + 2 * i_c)
     i_t = tl.load(chunk_info + 2 * i_c + 1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t.to(tl.int64) * BT
-    rows = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_rk = (rows < eos - t0)[:, None] & (o_k < K)[None, :]
-    p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_rk, other=0.0).to(tl.float32) * scale
-    b_w = tl.load(w + p_k, mask=m_rk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_rk, other=0.0).to(tl.float32)
-    b_a = tl.load(a + p_k, mask=m_rk, other=0.0).to(tl.float32)
-    b_b = tl.load(b + p_k, mask=m_rk, other=0.0).to(tl.float32)
-    return t0, eos, p_k, m_rk, b_q, b_w, b_k, b_a, b_b
+    return bos + i_t.to(tl.int64) * BT, eos
+
+
+@triton.jit
+def _load_rows(x, p, m):
+    return tl.load(x + p, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gate_cumsums(w, p_k, m_rk):
+    """Inclusive and exclusive chunk-local cumsums of w log2 e, and the chunk total [BK]."""
+    wl = _load_rows(w, p_k, m_rk) * 1.4426950408889634
+    Gi = tl.cumsum(wl, 0)
+    return Gi, Gi - wl, tl.sum(wl, 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,67 +257,85 @@ def _load_chunk(q, w, k, a, b, cu_seqlens, chunk_info, i_c, i_h, scale,
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _prepare_kernel(
-    q, w, k, v, a, b, cu_seqlens, chunk_info, scale, lower_bound,
-    qh, kt, bt, Wm, U, Mqk, Mqb, Gm, Tm, Mak, gL,
-    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, QK_BF16: tl.constexpr, PREC: tl.constexpr,
-):
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0, eos, p_k, m_rk, b_q, b_w, b_k, b_a, b_b = _load_chunk(
-        q, w, k, a, b, cu_seqlens, chunk_info, i_c, i_h, scale, H, K, BT, BK)
-    rows = tl.arange(0, BT)
-    m_r = rows < eos - t0
-    wl = b_w * 1.4426950408889634
-    G = tl.cumsum(wl, 0)
-    Gb = G - wl
-    g_L = tl.sum(wl, 0)
-
-    if CENTRED:
-        # the promise w >= lower_bound is verified here, per chunk, before the centred path is used
-        if tl.min(tl.where(m_rk, b_w, 0.0)) >= lower_bound:
-            b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_centred_fwd(b_q, b_k, b_a, b_b, G, Gb, BT, QK_BF16, PREC)
-        else:
-            b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_pairwise_fwd(b_q, b_k, b_a, b_b, G, Gb, BT, PREC)
-    else:
-        b_Mqk, b_Mqb, b_Mak, b_Mab = _intra_pairwise_fwd(b_q, b_k, b_a, b_b, G, Gb, BT, PREC)
-
-    b_Tm = unit_lower_inverse(b_Mab, BT, PREC)
-    b_ah = b_a * tl.exp2(Gb)
-    b_W = tl.dot(b_Tm, b_ah, input_precision=PREC)
-    b_G = tl.dot(b_Tm, b_Mak, input_precision=PREC)
-    e_L = tl.exp2(g_L[None, :] - G)
-
-    tl.store(qh + p_k, b_q * tl.exp2(G), mask=m_rk)
-    tl.store(kt + p_k, b_k * e_L, mask=m_rk)
-    tl.store(bt + p_k, b_b * e_L, mask=m_rk)
-    tl.store(Wm + p_k, b_W, mask=m_rk)
-    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    m_t = m_r[:, None]
-    tl.store(Mqk + p_t, b_Mqk, mask=m_t)
-    tl.store(Mqb + p_t, b_Mqb, mask=m_t)
-    if STORE_BWD:
-        tl.store(Gm + p_t, b_G, mask=m_t)
-        tl.store(Tm + p_t, b_Tm, mask=m_t)
-        tl.store(Mak + p_t, b_Mak, mask=m_t)
-    o_k = tl.arange(0, BK)
-    tl.store(gL + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_L, mask=o_k < K)
-
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_rv = m_t & (o_v < V)[None, :]
-        p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_rv, other=0.0).to(tl.float32)
-        tl.store(U + p_v, tl.dot(b_G, b_v, input_precision=PREC), mask=m_rv)
+def _regime_selected(w, p_k, m_rk, lower_bound, MODE: tl.constexpr):
+    """MODE 0: every chunk (exact regime); 1: the chunks whose gates keep the promise w >= lower_bound
+    (centred); 2: the chunks that break it (exact per-pair fallback at the centred chunk size)."""
+    if MODE == 0:
+        return True
+    ok = tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
+    if MODE == 1:
+        return ok
+    return ok == 0
 
 
 @triton.jit
-def _state_kernel(
-    v, Wm, U, kt, bt, gL, h0, hs, ht, cu_seqlens, chunk_offsets,
-    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+def _prepare_kernel(
+    q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
+    Qs, Es, Cs, As, Wm, Gm, Tm, Mak, Mqb,
+    H, K, BT: tl.constexpr, BK: tl.constexpr,
+    MODE: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
+    """One chunk and head: the intra matrices, the WY inverse and the four chunk matrices Q', E, A, C
+    (and, for the backward, W, G, Tm, M^ak, M^qb)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_bounds(cu_seqlens, chunk_info, i_c, BT)
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_r = (rows < eos - t0)[:, None]
+    m_rk = m_r & (o_k < K)[None, :]
+    p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
+    if _regime_selected(w, p_k, m_rk, lower_bound, MODE):
+        Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
+        # a-side products first: the inverse, W and G, so that the q-side ones need not live across it
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            b_Mak, b_Mab = _centred_a_side(_load_rows(a, p_k, m_rk) * e_a, _load_rows(k, p_k, m_rk) * e_k,
+                                           _load_rows(b, p_k, m_rk) * e_k, BT, PREC)
+        else:
+            b_Mak, b_Mab = _pairwise_a_side(_load_rows(a, p_k, m_rk), _load_rows(k, p_k, m_rk),
+                                            _load_rows(b, p_k, m_rk), Gi, Ge, BT, PREC)
+        b_Tm = unit_lower_inverse(b_Mab, BT, PREC)
+        b_W = tl.dot(b_Tm, _load_rows(a, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC)
+        b_G = tl.dot(b_Tm, b_Mak, input_precision=PREC)
+        if STORE_BWD:
+            tl.store(Tm + p_t, b_Tm, mask=m_r)
+            tl.store(Mak + p_t, _cast(b_Mak, Mak, LOWP), mask=m_r)
+            tl.store(Wm + p_k, _cast(b_W, Wm, LOWP), mask=m_rk)
+            tl.store(Gm + p_t, _cast(b_G, Gm, LOWP), mask=m_r)
+
+        b_q = _load_rows(q, p_k, m_rk) * scale
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k, p_k, m_rk) * e_k,
+                                           _load_rows(b, p_k, m_rk) * e_k, BT, LOWP, PREC)
+        else:
+            b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k, p_k, m_rk), _load_rows(b, p_k, m_rk), Gi, BT, PREC)
+        if STORE_BWD:
+            tl.store(Mqb + p_t, _cast(b_Mqb, Mqb, LOWP), mask=m_r)
+        b_Q = b_q * tl.exp2(Gi) + tl.dot(b_Mqb, b_W, input_precision=PREC)
+        tl.store(Qs + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
+        b_E = b_Mqk + tl.dot(b_Mqb, b_G, input_precision=PREC)
+        tl.store(Es + p_t, _cast(b_E, Es, LOWP), mask=m_r)
+
+        e_L = tl.exp2(g_L[None, :] - Gi)
+        b_bt = _load_rows(b, p_k, m_rk) * e_L
+        b_C = _load_rows(k, p_k, m_rk) * e_L + tl.dot(tl.trans(b_G), b_bt, input_precision=PREC)
+        tl.store(Cs + p_k, _cast(b_C, Cs, LOWP), mask=m_rk)
+        o_kr = tl.arange(0, BK)[:, None]
+        o_kc = tl.arange(0, BK)[None, :]
+        b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + tl.dot(tl.trans(b_bt), b_W, input_precision=PREC)
+        tl.store(As + (i_c.to(tl.int64) * H + i_h) * K * K + o_kr * K + o_kc, b_A, mask=(o_kr < K) & (o_kc < K))
+
+
+@triton.jit
+def _scan_fwd_kernel(
+    v, Qs, Es, Cs, As, h0, hs, ht, o, cu_seqlens, chunk_offsets,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    """One sequence*head and V-block: O = Q' S + E V and S <- A S + C^T V, chunk after chunk."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // H
@@ -274,6 +350,7 @@ def _state_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = o_k[:, None] * V + o_v[None, :]
+    a_off = o_k[:, None] * K + o_k[None, :]
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -281,57 +358,21 @@ def _state_kernel(
     for i_t in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_t * BT
         m_r = (rows < eos - t0)[:, None]
-        tl.store(hs + ((c0 + i_t) * H + i_h) * K * V + s_off, S, mask=m_kv)
+        if STORE_HS:
+            tl.store(hs + ((c0 + i_t) * H + i_h) * K * V + s_off, S, mask=m_kv)
         p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
         p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        b_W = tl.load(Wm + p_k, mask=m_r & m_k[None, :], other=0.0)
-        b_kt = tl.load(kt + p_k, mask=m_r & m_k[None, :], other=0.0)
-        b_bt = tl.load(bt + p_k, mask=m_r & m_k[None, :], other=0.0)
-        b_U = tl.load(U + p_v, mask=m_r & m_v[None, :], other=0.0)
-        b_v = tl.load(v + p_v, mask=m_r & m_v[None, :], other=0.0).to(tl.float32)
-        b_gL = tl.load(gL + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        b_P = b_U + tl.dot(b_W, S, input_precision=PREC)
-        S = tl.exp2(b_gL)[:, None] * S + tl.dot(tl.trans(b_kt), b_v, input_precision=PREC) \
-            + tl.dot(tl.trans(b_bt), b_P, input_precision=PREC)
+        p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
+        b_v = _load_rows(v, p_v, m_r & m_v[None, :])
+        b_Q = _load_rows(Qs, p_k, m_r & m_k[None, :])
+        b_E = _load_rows(Es, p_t, m_r)
+        b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
+        b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
+        b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
+        tl.store(o + p_v, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
+        S = tl.dot(b_A, S, input_precision=PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
-
-
-@triton.jit
-def _output_kernel(
-    v, qh, Wm, U, Mqk, Mqb, hs, o, cu_seqlens, chunk_info, NV,
-    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1) // NV
-    i_v = tl.program_id(1) % NV
-    i_n = tl.load(chunk_info + 2 * i_c)
-    i_t = tl.load(chunk_info + 2 * i_c + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t.to(tl.int64) * BT
-    rows = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_r = (rows < eos - t0)[:, None]
-    m_k = (o_k < K)[None, :]
-    m_v = (o_v < V)[None, :]
-    p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-    p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    S = tl.load(hs + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                mask=(o_k < K)[:, None] & m_v, other=0.0)
-    b_W = tl.load(Wm + p_k, mask=m_r & m_k, other=0.0)
-    b_qh = tl.load(qh + p_k, mask=m_r & m_k, other=0.0)
-    b_U = tl.load(U + p_v, mask=m_r & m_v, other=0.0)
-    b_v = tl.load(v + p_v, mask=m_r & m_v, other=0.0).to(tl.float32)
-    b_Mqk = tl.load(Mqk + p_t, mask=m_r, other=0.0)
-    b_Mqb = tl.load(Mqb + p_t, mask=m_r, other=0.0)
-    b_P = b_U + tl.dot(b_W, S, input_precision=PREC)
-    b_o = tl.dot(b_qh, S, input_precision=PREC) + tl.dot(b_Mqk, b_v, input_precision=PREC) \
-        + tl.dot(b_Mqb, b_P, input_precision=PREC)
-    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_r & m_v)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,11 +380,13 @@ def _output_kernel(
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dstate_kernel(
-    do, qh, Wm, bt, Mqb, gL, dht, dhs, dh0, cu_seqlens, chunk_offsets,
+def _scan_bwd_kernel(
+    do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
+    """One sequence*head and V-block, last chunk first: dV = E^T dO + C dS and dS <- A^T dS + Q'^T dO;
+    dS^out of every chunk goes to dhs."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // H
@@ -358,6 +401,7 @@ def _dstate_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = o_k[:, None] * V + o_v[None, :]
+    a_off = o_k[:, None] * K + o_k[None, :]
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
@@ -370,167 +414,134 @@ def _dstate_kernel(
         tl.store(dhs + ((c0 + i_t) * H + i_h) * K * V + s_off, dS, mask=m_kv)
         p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
         p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        p_t = ((t0 + rows) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-        b_do = tl.load(do + p_v, mask=m_r & m_v[None, :], other=0.0).to(tl.float32)
-        b_Mqb = tl.load(Mqb + p_t, mask=m_r, other=0.0)
-        b_bt = tl.load(bt + p_k, mask=m_r & m_k[None, :], other=0.0)
-        b_W = tl.load(Wm + p_k, mask=m_r & m_k[None, :], other=0.0)
-        b_qh = tl.load(qh + p_k, mask=m_r & m_k[None, :], other=0.0)
-        b_gL = tl.load(gL + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        b_dP = tl.dot(tl.trans(b_Mqb), b_do, input_precision=PREC) + tl.dot(b_bt, dS, input_precision=PREC)
-        dS = tl.exp2(b_gL)[:, None] * dS + tl.dot(tl.trans(b_qh), b_do, input_precision=PREC) \
-            + tl.dot(tl.trans(b_W), b_dP, input_precision=PREC)
+        p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
+        b_do = _load_rows(do, p_v, m_r & m_v[None, :])
+        b_Q = _load_rows(Qs, p_k, m_r & m_k[None, :])
+        b_E = _load_rows(Es, p_t, m_r)
+        b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
+        b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
+        b_dv = _dot(tl.trans(b_E), b_do, LOWP, PREC) + _dot(b_C, dS, LOWP, PREC)
+        tl.store(dv + p_v, _cast(b_dv, dv, LOWP), mask=m_r & m_v[None, :])
+        dS = tl.dot(tl.trans(b_A), dS, input_precision=PREC) + _dot(tl.trans(b_Q), b_do, LOWP, PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
 
 
 @triton.jit
-def _backward_state_kernel(
-    v, do, kt, bt, Wm, U, Mqk, Mqb, Gm, hs, dhs, cu_seqlens, chunk_info,
-    dv, d_qh, d_kt, d_bt, d_W, d_Mqk, d_Mqb, d_G, s_sum,
-    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+def _chunk_bwd_kernel(
+    q, w, k, v, a, b, do, hs, dhs, Wm, Gm, Tm, Mak, Mqb, cu_seqlens, chunk_info, scale, lower_bound,
+    dq, dw, dk, da, db,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """All contractions over V of one chunk: dv, and the fp32 gradients of q̂, k̃, b̃, W, M^qk, M^qb,
-    G = Tm M^ak, plus rowsum(S^in * dS^out) for the chunk-total gate term."""
+    """One chunk and head: the gradients of the four chunk matrices, then W, G, B̃, the WY backward,
+    the intra backward of the chunk's regime (MODE as in `_regime_selected`), and dw by identity I2."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_info + 2 * i_c)
-    i_t = tl.load(chunk_info + 2 * i_c + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t.to(tl.int64) * BT
+    t0, eos = _chunk_bounds(cu_seqlens, chunk_info, i_c, BT)
     rows = tl.arange(0, BT)
-    cols = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_r = (rows < eos - t0)[:, None]
     m_rk = m_r & (o_k < K)[None, :]
     p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
+    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
+    if _regime_selected(w, p_k, m_rk, lower_bound, MODE):
+        incl = rows[:, None] >= rows[None, :]
+        strict = rows[:, None] > rows[None, :]
 
-    a_qh = tl.zeros([BT, BK], dtype=tl.float32)
-    a_kt = tl.zeros([BT, BK], dtype=tl.float32)
-    a_bt = tl.zeros([BT, BK], dtype=tl.float32)
-    a_W = tl.zeros([BT, BK], dtype=tl.float32)
-    a_Mqk = tl.zeros([BT, BT], dtype=tl.float32)
-    a_Mqb = tl.zeros([BT, BT], dtype=tl.float32)
-    a_G = tl.zeros([BT, BT], dtype=tl.float32)
-    a_s = tl.zeros([BK], dtype=tl.float32)
-    h_base = (i_c.to(tl.int64) * H + i_h) * K * V
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = (o_v < V)[None, :]
-        m_kv = (o_k < K)[:, None] & m_v
-        s_off = o_k[:, None] * V + o_v[None, :]
-        p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        b_W = tl.load(Wm + p_k, mask=m_rk, other=0.0)
-        b_kt = tl.load(kt + p_k, mask=m_rk, other=0.0)
-        b_bt = tl.load(bt + p_k, mask=m_rk, other=0.0)
-        b_Mqk = tl.load(Mqk + p_t, mask=m_r, other=0.0)
-        b_Mqb = tl.load(Mqb + p_t, mask=m_r, other=0.0)
-        b_G = tl.load(Gm + p_t, mask=m_r, other=0.0)
-        S = tl.load(hs + h_base + s_off, mask=m_kv, other=0.0)
-        dS = tl.load(dhs + h_base + s_off, mask=m_kv, other=0.0)
-        b_do = tl.load(do + p_v, mask=m_r & m_v, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_v, mask=m_r & m_v, other=0.0).to(tl.float32)
-        b_U = tl.load(U + p_v, mask=m_r & m_v, other=0.0)
-        b_P = b_U + tl.dot(b_W, S, input_precision=PREC)
-        b_dP = tl.dot(tl.trans(b_Mqb), b_do, input_precision=PREC) + tl.dot(b_bt, dS, input_precision=PREC)
-        a_qh += tl.dot(b_do, tl.trans(S), input_precision=PREC)
-        a_kt += tl.dot(b_v, tl.trans(dS), input_precision=PREC)
-        a_bt += tl.dot(b_P, tl.trans(dS), input_precision=PREC)
-        a_W += tl.dot(b_dP, tl.trans(S), input_precision=PREC)
-        a_s += tl.sum(S * dS, 1)
-        a_Mqk += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        a_Mqb += tl.dot(b_do, tl.trans(b_P), input_precision=PREC)
-        a_G += tl.dot(b_dP, tl.trans(b_v), input_precision=PREC)
-        b_dv = tl.dot(tl.trans(b_Mqk), b_do, input_precision=PREC) + tl.dot(b_kt, dS, input_precision=PREC) \
-            + tl.dot(tl.trans(b_G), b_dP, input_precision=PREC)
-        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_r & m_v)
-    tl.store(d_qh + p_k, a_qh, mask=m_rk)
-    tl.store(d_kt + p_k, a_kt, mask=m_rk)
-    tl.store(d_bt + p_k, a_bt, mask=m_rk)
-    tl.store(d_W + p_k, a_W, mask=m_rk)
-    tl.store(d_Mqk + p_t, a_Mqk, mask=m_r)
-    tl.store(d_Mqb + p_t, a_Mqb, mask=m_r)
-    tl.store(d_G + p_t, a_G, mask=m_r)
-    tl.store(s_sum + (i_c.to(tl.int64) * H + i_h) * K + o_k, a_s, mask=o_k < K)
+        # 1. reductions over V: dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T
+        dQ = tl.zeros([BT, BK], dtype=tl.float32)
+        dE = tl.zeros([BT, BT], dtype=tl.float32)
+        dA = tl.zeros([BK, BK], dtype=tl.float32)
+        dC = tl.zeros([BT, BK], dtype=tl.float32)
+        h_base = (i_c.to(tl.int64) * H + i_h) * K * V
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = (o_v < V)[None, :]
+            s_off = o_k[:, None] * V + o_v[None, :]
+            p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
+            S = tl.load(hs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
+            dS = tl.load(dhs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
+            b_do = _load_rows(do, p_v, m_r & m_v)
+            b_v = _load_rows(v, p_v, m_r & m_v)
+            dQ += tl.dot(b_do, tl.trans(S), input_precision=PREC)
+            dE += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+            dA += tl.dot(dS, tl.trans(S), input_precision=PREC)
+            dC += tl.dot(b_v, tl.trans(dS), input_precision=PREC)
 
+        # 2. through Q' = Q̂ + M^qb W, E = M^qk + M^qb G, A = diag(e^Γ_L) + B̃^T W, C = K̃ + G^T B̃
+        Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
+        e_L = tl.exp2(g_L[None, :] - Gi)
+        b_W = _load_rows(Wm, p_k, m_rk)
+        b_G = _load_rows(Gm, p_t, m_r)
+        b_bt = _load_rows(b, p_k, m_rk) * e_L
+        dbt = tl.dot(b_G, dC, input_precision=PREC) + tl.dot(b_W, tl.trans(dA), input_precision=PREC)
+        dMqb = tl.where(incl, tl.dot(dQ, tl.trans(b_W), input_precision=PREC)
+                        + tl.dot(dE, tl.trans(b_G), input_precision=PREC), 0.0)
+        b_Mqb = _load_rows(Mqb, p_t, m_r)
+        dW = tl.dot(tl.trans(b_Mqb), dQ, input_precision=PREC) + tl.dot(b_bt, dA, input_precision=PREC)
+        dG = tl.dot(tl.trans(b_Mqb), dE, input_precision=PREC) + tl.dot(b_bt, tl.trans(dC), input_precision=PREC)
+        dMqk = tl.where(incl, dE, 0.0)
+        o_kr = tl.arange(0, BK)[:, None]
+        s_sum = tl.sum(tl.where(o_kr == o_k[None, :], dA, 0.0), 0)  # diag(dA) = rowsum(S^in * dS^out)
+        # state-path parts of dk, db and the chunk-total gate term of I2
+        dk_s = dC * e_L
+        db_s = dbt * e_L
+        g_last = tl.exp2(g_L) * s_sum + tl.sum(_load_rows(k, p_k, m_rk) * dk_s + _load_rows(b, p_k, m_rk) * db_s, 0)
 
-@triton.jit
-def _backward_intra_kernel(
-    q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
-    Tm, Mak, d_qh, d_kt, d_bt, d_W, d_Mqk, d_Mqb, d_G, s_sum,
-    dq, dw, dk, da, db,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, PREC: tl.constexpr,
-):
-    """The WY backward (dM^ab = strict(Tm^T dTm Tm^T)), the intra backward of either regime, the gated
-    vectors, and dw by identity I2."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0, eos, p_k, m_rk, b_q, b_w, b_k, b_a, b_b = _load_chunk(
-        q, w, k, a, b, cu_seqlens, chunk_info, i_c, i_h, scale, H, K, BT, BK)
-    rows = tl.arange(0, BT)
-    cols = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_r = (rows < eos - t0)[:, None]
-    wl = b_w * 1.4426950408889634
-    G = tl.cumsum(wl, 0)
-    Gb = G - wl
-    g_L = tl.sum(wl, 0)
-    e_L = tl.exp2(g_L[None, :] - G)
-    b_ah = b_a * tl.exp2(Gb)
-    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
-    incl = rows[:, None] >= cols[None, :]
-    strict = rows[:, None] > cols[None, :]
-
-    # WY backward: W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1
-    b_Tm = tl.load(Tm + p_t, mask=m_r, other=0.0)
-    b_Mak = tl.load(Mak + p_t, mask=m_r, other=0.0)
-    b_dG = tl.load(d_G + p_t, mask=m_r, other=0.0)
-    b_dW = tl.load(d_W + p_k, mask=m_rk, other=0.0)
-    d_Tm = tl.dot(b_dG, tl.trans(b_Mak), input_precision=PREC) + tl.dot(b_dW, tl.trans(b_ah), input_precision=PREC)
-    d_Mak = tl.where(strict, tl.dot(tl.trans(b_Tm), b_dG, input_precision=PREC), 0.0)
-    d_ah = tl.dot(tl.trans(b_Tm), b_dW, input_precision=PREC)
-    d_Mab = tl.dot(tl.dot(tl.trans(b_Tm), d_Tm, input_precision=PREC), tl.trans(b_Tm), input_precision=PREC)
-    d_Mab = tl.where(strict, d_Mab, 0.0)
-    d_Mqk = tl.where(incl, tl.load(d_Mqk + p_t, mask=m_r, other=0.0), 0.0)
-    d_Mqb = tl.where(incl, tl.load(d_Mqb + p_t, mask=m_r, other=0.0), 0.0)
-
-    # gated vectors q̂ = q e^Γ, k̃ = k e^{Γ_L-Γ}, b̃ = b e^{Γ_L-Γ}, Â = a e^Γ̄
-    a_kt = tl.load(d_kt + p_k, mask=m_rk, other=0.0)
-    a_bt = tl.load(d_bt + p_k, mask=m_rk, other=0.0)
-    b_dq = tl.load(d_qh + p_k, mask=m_rk, other=0.0) * tl.exp2(G)
-    b_dk = a_kt * e_L
-    b_db = a_bt * e_L
-    b_da = d_ah * tl.exp2(Gb)
-    b_s = tl.load(s_sum + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
-    g_last = tl.exp2(g_L) * b_s + tl.sum(b_k * b_dk + b_b * b_db, 0)
-
-    if CENTRED:
-        if tl.min(tl.where(m_rk, b_w, 0.0)) >= lower_bound:
-            i_dq, i_dk, i_da, i_db = _intra_centred_bwd(
-                b_q, b_k, b_a, b_b, G, Gb, d_Mqk, d_Mqb, d_Mak, d_Mab, BT, PREC)
+        # dq (of the pre-scaled q): dQ̂ e^Γ + row side of dM^qk, dM^qb
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            i_dq = (tl.dot(dMqk, _load_rows(k, p_k, m_rk) * e_k, input_precision=PREC)
+                    + tl.dot(dMqb, _load_rows(b, p_k, m_rk) * e_k, input_precision=PREC)) * e_q
         else:
-            i_dq, i_dk, i_da, i_db = _intra_pairwise_bwd(
-                b_q, b_k, b_a, b_b, G, Gb, d_Mqk, d_Mqb, d_Mak, d_Mab, BT, BK, PREC)
-    else:
-        i_dq, i_dk, i_da, i_db = _intra_pairwise_bwd(b_q, b_k, b_a, b_b, G, Gb, d_Mqk, d_Mqb, d_Mak, d_Mab, BT, BK, PREC)
-    b_dq += i_dq
-    b_dk += i_dk
-    b_da += i_da
-    b_db += i_db
+            i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k, p_k, m_rk), dMqb, _load_rows(b, p_k, m_rk), Gi, Gi,
+                                      False, BT, BK, PREC)
+        b_dq = dQ * tl.exp2(Gi) + i_dq
+        tl.store(dq + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
+        gam = _load_rows(q, p_k, m_rk) * scale * b_dq
 
-    # identity I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last, γ = q dq + a da - k dk - b db
-    g_a = b_a * b_da
-    gam = b_q * b_dq + g_a - b_k * b_dk - b_b * b_db
-    rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
-    b_dw = rev - g_a + g_last[None, :]
+        # 3. WY backward: W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1
+        b_Tm = tl.load(Tm + p_t, mask=m_r, other=0.0)
+        e_Ge = tl.exp2(Ge)
+        dTm = tl.dot(dG, tl.trans(_load_rows(Mak, p_t, m_r)), input_precision=PREC) \
+            + tl.dot(dW, tl.trans(_load_rows(a, p_k, m_rk) * e_Ge), input_precision=PREC)
+        dMak = tl.where(strict, tl.dot(tl.trans(b_Tm), dG, input_precision=PREC), 0.0)
+        dAh = tl.dot(tl.trans(b_Tm), dW, input_precision=PREC)
+        dMab = tl.dot(tl.dot(tl.trans(b_Tm), dTm, input_precision=PREC), tl.trans(b_Tm), input_precision=PREC)
+        dMab = tl.where(strict, dMab, 0.0)
 
-    tl.store(dq + p_k, (b_dq * scale).to(dq.dtype.element_ty), mask=m_rk)
-    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_rk)
-    tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_rk)
-    tl.store(db + p_k, b_db.to(db.dtype.element_ty), mask=m_rk)
-    tl.store(dw + p_k, b_dw.to(dw.dtype.element_ty), mask=m_rk)
+        # 4. da, then dk and db (column side), then dw by I2:
+        #    dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,  γ = q dq + a da - k dk - b db
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            i_da = (tl.dot(dMak, _load_rows(k, p_k, m_rk) * e_k, input_precision=PREC)
+                    + tl.dot(dMab, _load_rows(b, p_k, m_rk) * e_k, input_precision=PREC)) * e_a
+        else:
+            i_da = _pairwise_rows_bwd(dMak, _load_rows(k, p_k, m_rk), dMab, _load_rows(b, p_k, m_rk), Ge, Gi,
+                                      True, BT, BK, PREC)
+        b_a = _load_rows(a, p_k, m_rk)
+        b_da = dAh * e_Ge + i_da
+        tl.store(da + p_k, _cast(b_da, da, LOWP), mask=m_rk)
+        g_a = b_a * b_da
+        gam += g_a
+        b_q = _load_rows(q, p_k, m_rk) * scale
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            qc = b_q * e_q
+            ac = b_a * e_a
+            i_dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC) + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
+            i_db = (tl.dot(tl.trans(dMqb), qc, input_precision=PREC)
+                    + tl.dot(tl.trans(dMab), ac, input_precision=PREC)) * e_k
+        else:
+            i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
+        b_dk = dk_s + i_dk
+        b_db = db_s + i_db
+        tl.store(dk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
+        tl.store(db + p_k, _cast(b_db, db, LOWP), mask=m_rk)
+        gam -= _load_rows(k, p_k, m_rk) * b_dk + _load_rows(b, p_k, m_rk) * b_db
+        rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
+        tl.store(dw + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -554,8 +565,12 @@ def _chunk_layout(B, T, BT, cu_seqlens, device):
     return cu, chunk_info, offsets, len(counts)
 
 
-def _state_block_v(BK, V):
-    return min(max(triton.next_power_of_2(V), 16), 64 if BK <= 64 else 32)
+def _scan_block_v(N, H, V):
+    """V-block of the scans: the widest (<= 64) that still gives ~256 programs, at least 16."""
+    bv = min(max(triton.next_power_of_2(V), 16), 64)
+    while bv > 16 and N * H * triton.cdiv(V, bv) < 256:
+        bv //= 2
+    return bv
 
 
 def _check_kernel_dtype(op, r):
@@ -570,46 +585,57 @@ class _Plan:
     def __init__(self, r, v, cu_seqlens, gate_lower_bound):
         B, T, H, K = r.shape
         V = v.shape[-1]
+        self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
+        self.BK = max(triton.next_power_of_2(K), 16)
         bt_centred = centred_chunk_size(gate_lower_bound)
+        if bt_centred is not None and self.BK > 64:
+            # 3xTF32 products at K > 64 need C <= 32 to fit the per-chunk backward in shared memory
+            bt_centred = min(bt_centred, 32)
         self.centred = bt_centred is not None
         self.BT = bt_centred if self.centred else 16
         self.lower_bound = float(gate_lower_bound) if self.centred else 0.0
-        self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
-        self.BK = max(triton.next_power_of_2(K), 16)
-        self.BV = _state_block_v(self.BK, V)
-        self.NV = triton.cdiv(V, self.BV)
-        # the scans keep loads of the next chunk in flight (2 stages) only where shared memory allows
-        self.scan_stages = 2 if self.BK <= 64 else 1
+        # kernel modes (`_regime_selected`): the centred chunks, then the chunks that break the bound
+        self.modes = (1, 2) if self.centred else (0,)
         self.cu, self.chunk_info, self.chunk_offsets, self.N = _chunk_layout(B, T, self.BT, cu_seqlens, r.device)
         self.NT = self.chunk_info.shape[0]
+        self.BV = _scan_block_v(self.N, H, V)
+        self.NV = triton.cdiv(V, self.BV)
+        self.BV_bwd = min(max(triton.next_power_of_2(V), 16), 64 if self.BK <= 64 else 32)
+        # the scans prefetch the next chunk's matrices (2 stages) where shared memory allows
+        self.scan_stages = 2 if self.BK <= 64 else 1
         interp = _interpreting()
         # fp32-accurate products (3xTF32) for every input dtype: with plain TF32 the nilpotent-product
-        # inverse and the state scan lost so much that a trained RWKV7-340M head (bf16, T = 2048,
-        # slow decays, aligned kappa) overflowed to inf by chunk 29 on the H100, while 3xTF32 and
-        # IEEE matched the fp64 reference to 3e-3 of the output's range (session 2 GPU probe)
+        # inverse and the state scan lost so much that a trained RWKV7-340M head (bf16, T = 2048, slow
+        # decays, aligned kappa) overflowed to inf by chunk 29 on the H100 (commit 18d7abb,
+        # tests/ops/test_rwkv7_bf16_trained_head.py)
         self.prec = "tf32x3"
-        self.qk_bf16 = r.dtype == torch.bfloat16 and not interp
+        # bf16 operands (fp32 accumulation) for the products outside the state recurrence, the a-side
+        # intra products and the WY inverse and backward (`_dot`; emulated under the interpreter)
+        self.lowp = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
+        # Q', E, C (the scans' per-token operands) in bf16 for bf16 inputs; states, A and the backward's
+        # W, G, Tm, M^ak, M^qb stay fp32 (in bf16 those cost da and db 4x the error on the trained head)
+        self.scan_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
 
 
-def _prepare(plan, q, w, k, v, a, b, scale, store_bwd):
-    B, T, H, K, V, BT = plan.B, plan.T, plan.H, plan.K, plan.V, plan.BT
-    f32 = dict(dtype=torch.float32, device=q.device)
-    out = dict(
-        qh=torch.empty(B, T, H, K, **f32), kt=torch.empty(B, T, H, K, **f32), bt=torch.empty(B, T, H, K, **f32),
-        Wm=torch.empty(B, T, H, K, **f32), U=torch.empty(B, T, H, V, **f32),
-        Mqk=torch.empty(B, T, H, BT, **f32), Mqb=torch.empty(B, T, H, BT, **f32), Gm=torch.empty(B, T, H, BT, **f32) if store_bwd else None,
-        Tm=torch.empty(B, T, H, BT, **f32) if store_bwd else None,
-        Mak=torch.empty(B, T, H, BT, **f32) if store_bwd else None,
-        gL=torch.empty(plan.NT, H, K, **f32),
-    )
-    _prepare_kernel[(plan.NT, H)](
-        q, w, k, v, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
-        out["qh"], out["kt"], out["bt"], out["Wm"], out["U"], out["Mqk"], out["Mqb"], out["Gm"], out["Tm"],
-        out["Mak"], out["gL"],
-        H=H, K=K, V=V, BT=BT, BK=plan.BK, BV=min(max(triton.next_power_of_2(V), 16), 64),
-        CENTRED=plan.centred, STORE_BWD=store_bwd, QK_BF16=plan.qk_bf16, PREC=plan.prec,
-        num_warps=NUM_WARPS, num_stages=1,
-    )
+def _prepare(plan, q, w, k, a, b, scale, store_bwd):
+    B, T, H, K, BT = plan.B, plan.T, plan.H, plan.K, plan.BT
+    dev = q.device
+    it = dict(dtype=plan.scan_dtype, device=dev)
+    out = dict(Qs=torch.empty(B, T, H, K, **it), Es=torch.empty(B, T, H, BT, **it), Cs=torch.empty(B, T, H, K, **it),
+               As=torch.empty(plan.NT, H, K, K, dtype=torch.float32, device=dev))
+    if store_bwd:
+        f32 = dict(dtype=torch.float32, device=dev)
+        out.update(Wm=torch.empty(B, T, H, K, **f32), Gm=torch.empty(B, T, H, BT, **f32),
+                   Tm=torch.empty(B, T, H, BT, **f32), Mak=torch.empty(B, T, H, BT, **f32),
+                   Mqb=torch.empty(B, T, H, BT, **f32))
+    for mode in plan.modes:
+        _prepare_kernel[(plan.NT, H)](
+            q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
+            out["Qs"], out["Es"], out["Cs"], out["As"],
+            out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
+            H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd, LOWP=plan.lowp,
+            PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
+        )
     return out
 
 
@@ -621,26 +647,23 @@ class ChunkRWKV7Function(torch.autograd.Function):
         plan = _Plan(r, v, cu_seqlens, gate_lower_bound)
         H, K, V = plan.H, plan.K, plan.V
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 4, 5, 7))
-        pre = _prepare(plan, r, w, k, v, a, b, scale, store_bwd=need_grad and cache_intermediates)
-        hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32)
+        cache = need_grad and cache_intermediates
+        pre = _prepare(plan, r, w, k, a, b, scale, store_bwd=cache)
+        hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32) if need_grad else None
         ht = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if output_final_state else None
         h0 = initial_state.contiguous() if initial_state is not None else None
-        _state_kernel[(plan.N * H, plan.NV)](
-            v, pre["Wm"], pre["U"], pre["kt"], pre["bt"], pre["gL"], h0, hs, ht, plan.cu, plan.chunk_offsets,
-            H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
-            PREC=plan.prec, num_warps=NUM_WARPS, num_stages=plan.scan_stages,
-        )
         o = torch.empty_like(v)
-        _output_kernel[(plan.NT, H * plan.NV)](
-            v, pre["qh"], pre["Wm"], pre["U"], pre["Mqk"], pre["Mqb"], hs, o, plan.cu, plan.chunk_info, plan.NV,
-            H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, PREC=plan.prec, num_warps=NUM_WARPS,
+        _scan_fwd_kernel[(plan.N * H, plan.NV)](
+            v, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
+            H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=need_grad,
+            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
         )
         if need_grad:
             ctx.save_for_backward(r, w, k, v, a, b, hs)
             ctx.plan = plan
             ctx.scale = scale
             ctx.has_h0 = initial_state is not None
-            ctx.pre = pre if cache_intermediates else None
+            ctx.pre = pre if cache else None
         return o, ht
 
     @staticmethod
@@ -648,37 +671,28 @@ class ChunkRWKV7Function(torch.autograd.Function):
         r, w, k, v, a, b, hs = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         H, K, V = plan.H, plan.K, plan.V
-        pre = ctx.pre if ctx.pre is not None else _prepare(plan, r, w, k, v, a, b, scale, store_bwd=True)
+        pre = ctx.pre if ctx.pre is not None else _prepare(plan, r, w, k, a, b, scale, store_bwd=True)
         ctx.pre = None
         do = do.contiguous()
         dhs = torch.empty_like(hs)
         dh0 = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if ctx.has_h0 else None
-        _dstate_kernel[(plan.N * H, plan.NV)](
-            do, pre["qh"], pre["Wm"], pre["bt"], pre["Mqb"], pre["gL"],
-            dht.contiguous() if dht is not None else None, dhs, dh0, plan.cu, plan.chunk_offsets,
+        dv = torch.empty_like(v)
+        _scan_bwd_kernel[(plan.N * H, plan.NV)](
+            do, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], dht.contiguous() if dht is not None else None,
+            dhs, dh0, dv, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=ctx.has_h0,
-            PREC=plan.prec, num_warps=NUM_WARPS, num_stages=plan.scan_stages,
+            LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
         )
         dr, dw, dk, da, db = (torch.empty_like(x) for x in (r, w, k, a, b))
-        dv = torch.empty_like(v)
-        B, T, BT = plan.B, plan.T, plan.BT
-        f32 = dict(dtype=torch.float32, device=r.device)
-        g_qh, g_kt, g_bt, g_W = (torch.empty(B, T, H, K, **f32) for _ in range(4))
-        g_Mqk, g_Mqb, g_G = (torch.empty(B, T, H, BT, **f32) for _ in range(3))
-        s_sum = torch.empty(plan.NT, H, K, **f32)
-        _backward_state_kernel[(plan.NT, H)](
-            v, do, pre["kt"], pre["bt"], pre["Wm"], pre["U"], pre["Mqk"], pre["Mqb"], pre["Gm"], hs, dhs,
-            plan.cu, plan.chunk_info, dv, g_qh, g_kt, g_bt, g_W, g_Mqk, g_Mqb, g_G, s_sum,
-            H=H, K=K, V=V, BT=BT, BK=plan.BK, BV=32 if plan.BK <= 64 else 16, PREC=plan.prec, num_warps=NUM_WARPS,
-            num_stages=1,
-        )
-        _backward_intra_kernel[(plan.NT, H)](
-            r, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
-            pre["Tm"], pre["Mak"], g_qh, g_kt, g_bt, g_W, g_Mqk, g_Mqb, g_G, s_sum,
-            dr, dw, dk, da, db,
-            H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, PREC=plan.prec,
-            num_warps=NUM_WARPS, num_stages=1,
-        )
+        for mode in plan.modes:
+            _chunk_bwd_kernel[(plan.NT, H)](
+                r, w, k, v, a, b, do, hs, dhs, pre["Wm"], pre["Gm"], pre["Tm"], pre["Mak"], pre["Mqb"],
+                plan.cu, plan.chunk_info, scale, plan.lower_bound,
+                dr, dw, dk, da, db,
+                H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp,
+                PREC=plan.prec,
+                num_warps=WARPS_CHUNK, num_stages=1,
+            )
         return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
 
 
@@ -689,7 +703,8 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     gate_lower_bound: a claim that w >= bound everywhere. It selects the centred tensor-core regime
     only if it passes the fp32 headroom rule, and each chunk re-checks it on its own gates before
     using it. cache_intermediates: keep the per-chunk forward intermediates for the backward instead
-    of recomputing them (faster backward, more memory).
+    of recomputing them (faster backward; about (4 K + 4 BT) bf16/fp32 values per token and head, plus
+    K*K fp32 per chunk and head, more memory, which is why it is off by default).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

@@ -61,8 +61,10 @@ few hundred programs through a chain of tensor-core steps; A is computed once in
 saved (output.py); dv writes dA, which the dq/dk/dg kernel reads whole for the off-diagonal
 sub-block products and gathers entry by entry for the exact diagonal sub-blocks, computed in an
 [NB, BC, BK] view (a 16-row sub-chunk per leading index) instead of [64, 64] select-reductions.
-Launch settings are module constants (INTRA_WARPS, DQKG_WARPS, ...); bench/ops.py --profile gives
-the per-kernel split.
+Launch widths: module constants (INTRA_WARPS, DQKG_WARPS, ...; 4 warps each, the fastest for
+RWKV6's K = V = 64 on the H100, session 3), and a family with wider tiles passes its own to the
+intra and dq/dk/dg kernels (GSA: 8). bench/ops.py --profile gives the per-kernel split. (16 and 8
+warps were slower for RWKV6 on the H100 with triton 3.6.)
 """
 
 import os

@@ -15,9 +15,9 @@ import triton.language as tl
 from .intra import load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm
 from .layout import ChunkLayout, chunk_span
 
-INTRA_WARPS = 16  # launch settings (module constants so that a benchmark can sweep them)
+INTRA_WARPS = 4  # default launch settings (module constants so that a benchmark can sweep them)
 INTRA_BLOCK_K = 64  # the A kernel loops over K in blocks of at most this width
-OUTPUT_WARPS = 8
+OUTPUT_WARPS = 4
 
 
 @triton.jit
@@ -130,9 +130,10 @@ def _output_kernel(q, v, gc, h, A, o, cu_seqlens, chunk_indices, scale,
 
 
 def chunk_intra_fwd(q, k, gc, u, layout: ChunkLayout, scale: float, exclusive: bool, dot_dtype,
-                    block_k: int, v=None, block_v: int = 64, sub_chunk: int = 16):
+                    block_k: int, v=None, block_v: int = 64, sub_chunk: int = 16, num_warps: int | None = None):
     """A [B, T, H, BT] fp32 (see the module docstring), and, if v is given, the local state terms
-    Δ [num_chunks, H, K, V] fp32 of every chunk (for `chunk_scan_states`), else None."""
+    Δ [num_chunks, H, K, V] fp32 of every chunk (for `chunk_scan_states`), else None.
+    num_warps: the kernel's launch width (default INTRA_WARPS); a family may pick its own."""
     B, T, H, K = q.shape
     V = v.shape[-1] if v is not None else 1
     BT = layout.chunk_size
@@ -141,7 +142,7 @@ def chunk_intra_fwd(q, k, gc, u, layout: ChunkLayout, scale: float, exclusive: b
     _intra_fwd_kernel[(layout.num_chunks, H)](
         q, k, v, gc, u, A, h, layout.cu_seqlens, layout.chunk_indices, scale,
         H=H, K=K, V=V, BT=BT, BC=min(sub_chunk, BT), BK=min(block_k, INTRA_BLOCK_K), BV=block_v, EXCLUSIVE=exclusive,
-        HAS_U=u is not None, LOCAL_STATE=v is not None, DT=dot_dtype, num_warps=INTRA_WARPS, num_stages=1)
+        HAS_U=u is not None, LOCAL_STATE=v is not None, DT=dot_dtype, num_warps=num_warps or INTRA_WARPS, num_stages=1)
     return A, h
 
 
@@ -159,7 +160,8 @@ def chunk_output(q, v, gc, h, A, layout: ChunkLayout, scale: float, exclusive: b
 
 
 def chunk_output_fwd(q, k, v, gc, h, layout: ChunkLayout, scale: float, exclusive: bool, u, dot_dtype,
-                     block_k: int, block_v: int, sub_chunk: int = 16):
+                     block_k: int, block_v: int, sub_chunk: int = 16, intra_warps: int | None = None):
     """o [B, T, H, V] in v's dtype from the per-chunk states h of `chunk_state_fwd` (A computed and dropped)."""
-    A, _ = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, dot_dtype, block_k, sub_chunk=sub_chunk)
+    A, _ = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, dot_dtype, block_k, sub_chunk=sub_chunk,
+                           num_warps=intra_warps)
     return chunk_output(q, v, gc, h, A, layout, scale, exclusive, dot_dtype, block_k, block_v)

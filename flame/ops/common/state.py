@@ -24,7 +24,7 @@ import triton.language as tl
 from .intra import load_query_gate, load_row, load_rows, mm
 from .layout import ChunkLayout, chunk_span
 
-LOCAL_WARPS = 8   # launch settings (module constants so that a benchmark can sweep them)
+LOCAL_WARPS = 4   # launch settings (module constants so that a benchmark can sweep them)
 SCAN_BLOCK = 512  # state elements per scan program
 
 

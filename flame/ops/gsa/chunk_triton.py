@@ -19,6 +19,7 @@ core's helpers and its sub-chunk reference points (every exponent <= 0, padding 
 - `_slots_fwd_kernel`: z, then p = softmax(z) over the M slots, max-stabilised in fp32;
 - `_slots_bwd_kernel`: dq, dk, the pass-K part of ds and of dg (identity I2: reverse cumsum of
   z dz - s ds, plus the chunk term e^{G_L} colsum(Hk_in dHk_out) + sum_j s_j ds^state_j).
+Both multiply in fp32 for M <= 32 slots, whatever the input dtype (see _SLOT_FP32_MAX_M).
 
 Grouped queries: the core has one head count, so k, v, s, g and the states are repeated over each
 query group (only when HQ > H); gradients of the repeated tensors are summed over the group
@@ -213,8 +214,24 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, dq, dk, ds, dg, cu_seqlens, chu
 _VALUE_BLOCK = 128
 
 
-# warps of the column-gated read kernels (_slots_fwd_kernel, _slots_bwd_kernel)
+# Operand dtype of the column-gated read kernels (_slots_fwd_kernel, _slots_bwd_kernel): fp32 for
+# M <= _SLOT_FP32_MAX_M slots, else the input dtype. With bf16 operands at M = 32 (K = 64), triton 3.6
+# on the H100 compiled them into code that crashed a bf16 GSA model in every run
+# (tests/models/test_gpu.py::test_failure3_..._triton[gsa], an illegal memory access, at any warp
+# count of the core kernels and at num_stages 1 or 3). compute-sanitizer found out-of-bounds
+# __shared__ reads of 1024 bytes inside their tl.dot (intra.mm) at num_stages 3, none at 1 (where the
+# plain run still crashed); an op-level run with the model's shapes and random inputs never crashed,
+# and the interpreter's bounds checker sees nothing, so the root cause is not known. With fp32
+# operands the model test passes (H100, session 3). fp32 is not used for every M: at K = 256, M = 64
+# (gsa_340M) the fp32 kernels take minutes to compile and spill ~16 KB per thread (ptxas sm_90),
+# and bf16 has passed every op test and benchmark at that shape.
+_SLOT_FP32_MAX_M = 32
 _SLOT_WARPS = 4
+_SLOT_STAGES = 1
+# the common core's intra (A) and dq/dk/dg kernels run wider for GSA's value pass (slots -> values,
+# V = 256 at 340M): fwd+bwd 2.25 ms against 2.95 ms at the core's default 4 warps (H100, B8 T2048 H4
+# K=V=256 M64 bf16, session 3); the core's other kernels keep their defaults.
+_CORE_WARPS = 8
 
 
 def _value_block(V: int) -> int:
@@ -223,6 +240,10 @@ def _value_block(V: int) -> int:
 
 def _slot_blocks(K: int, M: int) -> tuple[int, int]:
     return min(64, max(16, triton.next_power_of_2(K))), max(16, triton.next_power_of_2(M))
+
+
+def _slot_dot_dtype(M: int, DT):
+    return tl.float32 if M <= _SLOT_FP32_MAX_M else DT
 
 
 def slots_fwd(q, k, s, gc, hk, layout, scale, DT):
@@ -234,7 +255,8 @@ def slots_fwd(q, k, s, gc, hk, layout, scale, DT):
     p = torch.empty_like(z)
     _slots_fwd_kernel[(layout.num_chunks, H)](
         q, k, s, gc, hk, z, p, layout.cu_seqlens, layout.chunk_indices, scale,
-        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=DT, num_warps=_SLOT_WARPS)
+        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=_slot_dot_dtype(M, DT), num_warps=_SLOT_WARPS,
+        num_stages=_SLOT_STAGES)
     return z, p
 
 
@@ -248,7 +270,8 @@ def slots_bwd(q, k, s, gc, hk, dhk, z, dz, layout, scale, DT):
     dg = torch.empty_like(ds)
     _slots_bwd_kernel[(layout.num_chunks, H)](
         q, k, s, gc, hk, dhk, z, dz, dq, dk, ds, dg, layout.cu_seqlens, layout.chunk_indices, scale,
-        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=DT, num_warps=_SLOT_WARPS)
+        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=_slot_dot_dtype(M, DT), num_warps=_SLOT_WARPS,
+        num_stages=_SLOT_STAGES)
     return dq, dk, ds, dg
 
 
@@ -296,7 +319,8 @@ class ChunkGSAFunction(torch.autograd.Function):
         gc, hk, hkT, hv, hvT = _forward_states(q, k_, v_, s_, g_, hk0T, hv0_, layout, DT, output_final_state)
         z, p = slots_fwd(q, k_, s_, gc, hk, layout, scale, DT)
         BM, _ = block_sizes(M, V)
-        o = chunk_output_fwd(p, s_, v_, gc, hv, layout, 1.0, False, None, DT, BM, _value_block(V))
+        o = chunk_output_fwd(p, s_, v_, gc, hv, layout, 1.0, False, None, DT, BM, _value_block(V),
+                             intra_warps=_CORE_WARPS)
         if output_final_state:
             hkT = hkT[:, ::NG].transpose(-1, -2).contiguous()
             hvT = hvT[:, ::NG].contiguous()
@@ -327,8 +351,10 @@ class ChunkGSAFunction(torch.autograd.Function):
         # pass V: the core's key-side GLA backward with q = p, k = s (fp32 copies give fp32 ds, dg)
         dhv, dhv0 = chunk_state_bwd(p, do, gc, layout, dhvT_, 1.0, False, hv0_ is not None, DT)
         s32 = s_.float()
-        dp, ds_v, dg_v, _ = chunk_dqkg_bwd(p, s32, v_, gc, gc, None, hv, do, dhv, layout, 1.0, False, DT, BM, BV)
-        dv = chunk_dv_bwd(p, s_, v_, gc, None, do, dhv, layout, 1.0, False, DT, BM, _value_block(V))
+        dp, ds_v, dg_v, _ = chunk_dqkg_bwd(p, s32, v_, gc, gc, None, hv, do, dhv, layout, 1.0, False, DT, BM, BV,
+                                           num_warps=_CORE_WARPS)
+        dv = chunk_dv_bwd(p, s_, v_, gc, None, do, dhv, layout, 1.0, False, DT, BM, _value_block(V),
+                          intra_warps=_CORE_WARPS)
         # softmax over slots, fp32
         dz = p * (dp - (p * dp).sum(-1, keepdim=True))
         # pass K: transposed state gradients from the core, then the column-gated read backward

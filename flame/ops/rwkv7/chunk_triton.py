@@ -9,7 +9,8 @@ every factor is an exp2 of a non-positive number) and Γ̄ the exclusive one:
     O = Q̂ S^in + M^qk V + M^qb P,  S^out = e^{Γ_L} S^in + K̃^T V + B̃^T P
 
 A chunk is therefore one linear map of (S^in, V) with four per-chunk matrices that do not depend on
-the state, which `_prepare` computes in parallel over all chunks:
+the state, which `_prepare` computes in parallel over all chunks, in two kernels (`_prepare_wy`:
+M^ak, M^ab, Tm, W, G; `_prepare_maps`: M^qk, M^qb and the four maps):
 
     O     = Q' S^in + E V          Q' = Q̂ + M^qb W            [BT, K]
     S^out = A S^in + C^T V         E  = M^qk + M^qb G          [BT, BT]
@@ -19,21 +20,26 @@ the state, which `_prepare` computes in parallel over all chunks:
 The sequential scans then do two products per chunk and the output comes out of the forward scan:
     forward  (`_scan_fwd`): O = Q' S + E V;  S <- A S + C^T V
     backward (`_scan_bwd`): dV = E^T dO + C dS;  dS <- A^T dS + Q'^T dO     (dS = dS^out of the chunk)
-`_chunk_bwd` (one program per chunk and head) takes the chunk's S^in, dS^out, dO and V, forms
-dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T (reductions over V), carries them back through
-the four definitions to M^qk, M^qb, W, G, B̃, then through the WY representation
-(dM^ab = strict(Tm^T dTm Tm^T), kernels.md 2.4) and the intra products to dq, dk, da, db, and dw by
-the reverse cumsum of identity I2. No atomics anywhere: the backward is deterministic. The backward
-runs `_prepare` again unless its intermediates were cached in the forward. Head dims K > 128 do not
-fit one program's tiles and run on the fused recurrent kernels instead.
+The per-chunk backward (`_chunk_bwd`, one program per chunk and head in each of four kernels) takes
+the chunk's S^in, dS^out, dO and V, forms dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T
+(reductions over V), carries them back through the four definitions to M^qk, M^qb, W, G, B̃ (`_bwd_q`,
+`_bwd_state`), then through the WY representation (dM^ab = strict(Tm^T dTm Tm^T), kernels.md 2.4) to
+da (`_bwd_wy`) and through the intra products to dk, db and dw by the reverse cumsum of identity I2
+(`_bwd_kb`). The kernels pass fp32 [BT, K] / [BT, BT] tiles to each other through global memory, so
+that none holds more than a few tiles at once: with 3xTF32 products at 4 warps, a program that held
+the whole chain spilled 6-14 KB of registers per thread. No atomics anywhere: the backward is
+deterministic. By default the forward keeps the backward's intermediates (cache_intermediates); else
+the backward runs `_prepare` again. Head dims K > 128 do not fit one program's tiles and run on the
+fused recurrent kernels instead.
 
 Intra regimes (kernels.md 2.3):
 - exact per-pair exponents (any gate): a loop over the key column with exponents Γ_τ - Γ_j <= 0;
   the default, with BT = 16;
 - centred tensor-core factorisation around the middle row m: taken only when the caller gives a
-  gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124, and then
+  gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124 (BT <= 32 in
+  any case: [32, 64] tiles cost 16 registers per thread at 4 warps, [64, 64] ones 32), and then
   only for chunks whose gates really are >= lb, checked inside the kernels per chunk, with no host
-  sync: `_prepare` and `_chunk_bwd` run twice, MODE 1 on the chunks that keep the promise (centred)
+  sync: the per-chunk kernels run twice, MODE 1 on the chunks that keep the promise (centred)
   and MODE 2 on those that break it (exact per-pair at the same chunk size); each program skips the
   chunks that are not its mode's. (One program holding both paths needed twice the registers.)
 
@@ -308,7 +314,8 @@ def _prepare_wy_kernel(
         if STORE_BWD:
             tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
             tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
-        tl.store(Wm + bk + p_k, tl.dot(b_Tm, _load_rows(a + bk, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC), mask=m_rk)
+        b_W = tl.dot(b_Tm, _load_rows(a + bk, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC)
+        tl.store(Wm + bk + p_k, b_W, mask=m_rk)
         tl.store(Gm + bT + p_t, tl.dot(b_Tm, b_Mak, input_precision=PREC), mask=m_r)
 
 
@@ -332,7 +339,8 @@ def _prepare_maps_kernel(
             b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k + bk, p_k, m_rk) * e_k,
                                            _load_rows(b + bk, p_k, m_rk) * e_k, BT, LOWP, PREC)
         else:
-            b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi, BT, PREC)
+            b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi,
+                                            BT, PREC)
         if STORE_BWD:
             tl.store(Mqb + bT + p_t, b_Mqb, mask=m_r)
         b_W = _load_rows(Wm + bk, p_k, m_rk)
@@ -374,6 +382,9 @@ def _scan_fwd_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = o_k[:, None] * V + o_v[None, :]
     a_off = o_k[:, None] * K + o_k[None, :]
+    p_k0 = (rows * H * K)[:, None] + o_k[None, :]
+    p_v0 = (rows * H * V)[:, None] + o_v[None, :]
+    p_t0 = (rows * H * BT)[:, None] + rows[None, :]
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -383,16 +394,17 @@ def _scan_fwd_kernel(
         m_r = (rows < eos - t0)[:, None]
         if STORE_HS:
             tl.store(hs + ((c0 + i_t) * H + i_h) * K * V + s_off, S, mask=m_kv)
-        p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-        p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
-        b_v = _load_rows(v, p_v, m_r & m_v[None, :])
-        b_Q = _load_rows(Qs, p_k, m_r & m_k[None, :])
-        b_E = _load_rows(Es, p_t, m_r)
-        b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
+        base = t0 * H + i_h  # the chunk's first row: int64 scalar offsets, int32 tile offsets
+        bk = base * K
+        bv = base * V
+        bT = base * BT
+        b_v = _load_rows(v + bv, p_v0, m_r & m_v[None, :])
+        b_Q = _load_rows(Qs + bk, p_k0, m_r & m_k[None, :])
+        b_E = _load_rows(Es + bT, p_t0, m_r)
+        b_C = _load_rows(Cs + bk, p_k0, m_r & m_k[None, :])
         b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
         b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
-        tl.store(o + p_v, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
+        tl.store(o + bv + p_v0, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
         S = tl.dot(b_A, S, input_precision=PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
@@ -425,6 +437,9 @@ def _scan_bwd_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = o_k[:, None] * V + o_v[None, :]
     a_off = o_k[:, None] * K + o_k[None, :]
+    p_k0 = (rows * H * K)[:, None] + o_k[None, :]
+    p_v0 = (rows * H * V)[:, None] + o_v[None, :]
+    p_t0 = (rows * H * BT)[:, None] + rows[None, :]
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
@@ -435,16 +450,17 @@ def _scan_bwd_kernel(
         t0 = bos + i_t * BT
         m_r = (rows < eos - t0)[:, None]
         tl.store(dhs + ((c0 + i_t) * H + i_h) * K * V + s_off, dS, mask=m_kv)
-        p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-        p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
-        b_do = _load_rows(do, p_v, m_r & m_v[None, :])
-        b_Q = _load_rows(Qs, p_k, m_r & m_k[None, :])
-        b_E = _load_rows(Es, p_t, m_r)
-        b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
+        base = t0 * H + i_h  # the chunk's first row: int64 scalar offsets, int32 tile offsets
+        bk = base * K
+        bv = base * V
+        bT = base * BT
+        b_do = _load_rows(do + bv, p_v0, m_r & m_v[None, :])
+        b_Q = _load_rows(Qs + bk, p_k0, m_r & m_k[None, :])
+        b_E = _load_rows(Es + bT, p_t0, m_r)
+        b_C = _load_rows(Cs + bk, p_k0, m_r & m_k[None, :])
         b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
         b_dv = _dot(tl.trans(b_E), b_do, LOWP, PREC) + _dot(b_C, dS, LOWP, PREC)
-        tl.store(dv + p_v, _cast(b_dv, dv, LOWP), mask=m_r & m_v[None, :])
+        tl.store(dv + bv + p_v0, _cast(b_dv, dv, LOWP), mask=m_r & m_v[None, :])
         dS = tl.dot(tl.trans(b_A), dS, input_precision=PREC) + _dot(tl.trans(b_Q), b_do, LOWP, PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
@@ -540,7 +556,8 @@ def _bwd_state_kernel(
         db_s = dbt * e_L
         tl.store(dks + bk + p_k, dk_s, mask=m_rk)
         tl.store(dbs + bk + p_k, db_s, mask=m_rk)
-        g_last = tl.exp2(g_L) * s_sum + tl.sum(_load_rows(k + bk, p_k, m_rk) * dk_s + _load_rows(b + bk, p_k, m_rk) * db_s, 0)
+        g_last = tl.exp2(g_L) * s_sum + tl.sum(_load_rows(k + bk, p_k, m_rk) * dk_s
+                                               + _load_rows(b + bk, p_k, m_rk) * db_s, 0)
         tl.store(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_last, mask=o_k < K)
         b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
         dW = _load_rows(dWb + bk, p_k, m_rk) + tl.dot(b_bt, dA, input_precision=PREC)
@@ -614,7 +631,8 @@ def _bwd_kb_kernel(
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
             qc = b_q * e_q
             ac = b_a * e_a
-            i_dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC) + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
+            i_dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC)
+                    + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
             i_db = (tl.dot(tl.trans(dMqb), qc, input_precision=PREC)
                     + tl.dot(tl.trans(dMab), ac, input_precision=PREC)) * e_k
         else:

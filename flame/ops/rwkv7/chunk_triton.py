@@ -9,7 +9,8 @@ every factor is an exp2 of a non-positive number) and Γ̄ the exclusive one:
     O = Q̂ S^in + M^qk V + M^qb P,  S^out = e^{Γ_L} S^in + K̃^T V + B̃^T P
 
 A chunk is therefore one linear map of (S^in, V) with four per-chunk matrices that do not depend on
-the state, which `_prepare` computes in parallel over all chunks:
+the state, which `_prepare` computes in parallel over all chunks, in two kernels (`_prepare_wy`:
+M^ak, M^ab, Tm, W, G; `_prepare_maps`: M^qk, M^qb and the four maps):
 
     O     = Q' S^in + E V          Q' = Q̂ + M^qb W            [BT, K]
     S^out = A S^in + C^T V         E  = M^qk + M^qb G          [BT, BT]
@@ -19,21 +20,26 @@ the state, which `_prepare` computes in parallel over all chunks:
 The sequential scans then do two products per chunk and the output comes out of the forward scan:
     forward  (`_scan_fwd`): O = Q' S + E V;  S <- A S + C^T V
     backward (`_scan_bwd`): dV = E^T dO + C dS;  dS <- A^T dS + Q'^T dO     (dS = dS^out of the chunk)
-`_chunk_bwd` (one program per chunk and head) takes the chunk's S^in, dS^out, dO and V, forms
-dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T (reductions over V), carries them back through
-the four definitions to M^qk, M^qb, W, G, B̃, then through the WY representation
-(dM^ab = strict(Tm^T dTm Tm^T), kernels.md 2.4) and the intra products to dq, dk, da, db, and dw by
-the reverse cumsum of identity I2. No atomics anywhere: the backward is deterministic. The backward
-runs `_prepare` again unless its intermediates were cached in the forward. Head dims K > 128 do not
-fit one program's tiles and run on the fused recurrent kernels instead.
+The per-chunk backward (`_chunk_bwd`, one program per chunk and head in each of four kernels) takes
+the chunk's S^in, dS^out, dO and V, forms dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T
+(reductions over V), carries them back through the four definitions to M^qk, M^qb, W, G, B̃ (`_bwd_q`,
+`_bwd_state`), then through the WY representation (dM^ab = strict(Tm^T dTm Tm^T), kernels.md 2.4) to
+da (`_bwd_wy`) and through the intra products to dk, db and dw by the reverse cumsum of identity I2
+(`_bwd_kb`). The kernels pass fp32 [BT, K] / [BT, BT] tiles to each other through global memory, so
+that none holds more than a few tiles at once: with 3xTF32 products at 4 warps, a program that held
+the whole chain spilled 6-14 KB of registers per thread. No atomics anywhere: the backward is
+deterministic. By default the forward keeps the backward's intermediates (cache_intermediates); else
+the backward runs `_prepare` again. Head dims K > 128 do not fit one program's tiles and run on the
+fused recurrent kernels instead.
 
 Intra regimes (kernels.md 2.3):
 - exact per-pair exponents (any gate): a loop over the key column with exponents Γ_τ - Γ_j <= 0;
   the default, with BT = 16;
 - centred tensor-core factorisation around the middle row m: taken only when the caller gives a
-  gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124, and then
+  gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124 (BT <= 32 in
+  any case: [32, 64] tiles cost 16 registers per thread at 4 warps, [64, 64] ones 32), and then
   only for chunks whose gates really are >= lb, checked inside the kernels per chunk, with no host
-  sync: `_prepare` and `_chunk_bwd` run twice, MODE 1 on the chunks that keep the promise (centred)
+  sync: the per-chunk kernels run twice, MODE 1 on the chunks that keep the promise (centred)
   and MODE 2 on those that break it (exact per-pair at the same chunk size); each program skips the
   chunks that are not its mode's. (One program holding both paths needed twice the registers.)
 
@@ -269,14 +275,9 @@ def _regime_selected(w, p_k, m_rk, lower_bound, MODE: tl.constexpr):
 
 
 @triton.jit
-def _prepare_kernel(
-    q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
-    Qs, Es, Cs, As, Wm, Gm, Tm, Mak, Mqb,
-    H, K, BT: tl.constexpr, BK: tl.constexpr,
-    MODE: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-):
-    """One chunk and head: the intra matrices, the WY inverse and the four chunk matrices Q', E, A, C
-    (and, for the backward, W, G, Tm, M^ak, M^qb)."""
+def _chunk_tile(cu_seqlens, chunk_info, H, K, BT: tl.constexpr, BK: tl.constexpr):
+    """This program's chunk and head: row masks, the [BT, BK] offsets of K-wide and the [BT, BT] offsets
+    of BT-wide token-major tensors from the chunk's first row, and those first rows' offsets bk, bT."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, eos = _chunk_bounds(cu_seqlens, chunk_info, i_c, BT)
@@ -284,45 +285,75 @@ def _prepare_kernel(
     o_k = tl.arange(0, BK)
     m_r = (rows < eos - t0)[:, None]
     m_rk = m_r & (o_k < K)[None, :]
-    p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
-    if _regime_selected(w, p_k, m_rk, lower_bound, MODE):
-        Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
-        # a-side products first: the inverse, W and G, so that the q-side ones need not live across it
-        if MODE == 1:
-            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            b_Mak, b_Mab = _centred_a_side(_load_rows(a, p_k, m_rk) * e_a, _load_rows(k, p_k, m_rk) * e_k,
-                                           _load_rows(b, p_k, m_rk) * e_k, BT, PREC)
-        else:
-            b_Mak, b_Mab = _pairwise_a_side(_load_rows(a, p_k, m_rk), _load_rows(k, p_k, m_rk),
-                                            _load_rows(b, p_k, m_rk), Gi, Ge, BT, PREC)
-        b_Tm = unit_lower_inverse(b_Mab, BT, PREC)
-        b_W = tl.dot(b_Tm, _load_rows(a, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC)
-        b_G = tl.dot(b_Tm, b_Mak, input_precision=PREC)
-        if STORE_BWD:
-            tl.store(Tm + p_t, b_Tm, mask=m_r)
-            tl.store(Mak + p_t, _cast(b_Mak, Mak, LOWP), mask=m_r)
-            tl.store(Wm + p_k, _cast(b_W, Wm, LOWP), mask=m_rk)
-            tl.store(Gm + p_t, _cast(b_G, Gm, LOWP), mask=m_r)
+    # int32 offsets within the chunk (a [BT, BK] int64 tile costs 64 registers per thread at 4 warps),
+    # int64 scalar bases of the chunk's first row
+    p_k = (rows * H * K)[:, None] + o_k[None, :]
+    p_t = (rows * H * BT)[:, None] + rows[None, :]
+    base = t0 * H + i_h
+    return t0, m_r, m_rk, p_k, p_t, base * K, base * BT
 
-        b_q = _load_rows(q, p_k, m_rk) * scale
+
+@triton.jit
+def _prepare_wy_kernel(
+    w, k, a, b, cu_seqlens, chunk_info, lower_bound, Wm, Gm, Tm, Mak,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, STORE_BWD: tl.constexpr, PREC: tl.constexpr,
+):
+    """One chunk and head, a side: M^ak, M^ab, the WY inverse Tm, W = Tm Â and G = Tm M^ak (and, for
+    the backward, Tm and M^ak)."""
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
+        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
         if MODE == 1:
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k, p_k, m_rk) * e_k,
-                                           _load_rows(b, p_k, m_rk) * e_k, BT, LOWP, PREC)
+            b_Mak, b_Mab = _centred_a_side(_load_rows(a + bk, p_k, m_rk) * e_a, _load_rows(k + bk, p_k, m_rk) * e_k,
+                                           _load_rows(b + bk, p_k, m_rk) * e_k, BT, PREC)
         else:
-            b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k, p_k, m_rk), _load_rows(b, p_k, m_rk), Gi, BT, PREC)
+            b_Mak, b_Mab = _pairwise_a_side(_load_rows(a + bk, p_k, m_rk), _load_rows(k + bk, p_k, m_rk),
+                                            _load_rows(b + bk, p_k, m_rk), Gi, Ge, BT, PREC)
+        b_Tm = unit_lower_inverse(b_Mab, BT, PREC)
         if STORE_BWD:
-            tl.store(Mqb + p_t, _cast(b_Mqb, Mqb, LOWP), mask=m_r)
+            tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
+            tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
+        b_W = tl.dot(b_Tm, _load_rows(a + bk, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC)
+        tl.store(Wm + bk + p_k, b_W, mask=m_rk)
+        tl.store(Gm + bT + p_t, tl.dot(b_Tm, b_Mak, input_precision=PREC), mask=m_r)
+
+
+@triton.jit
+def _prepare_maps_kernel(
+    q, w, k, b, cu_seqlens, chunk_info, scale, lower_bound, Wm, Gm,
+    Qs, Es, Cs, As, Mqb,
+    H, K, BT: tl.constexpr, BK: tl.constexpr,
+    MODE: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    """One chunk and head, q side: M^qk, M^qb and, with the W and G of `_prepare_wy_kernel`, the four
+    chunk matrices Q', E, A, C (and, for the backward, M^qb)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
+        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+        b_q = _load_rows(q + bk, p_k, m_rk) * scale
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k + bk, p_k, m_rk) * e_k,
+                                           _load_rows(b + bk, p_k, m_rk) * e_k, BT, LOWP, PREC)
+        else:
+            b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi,
+                                            BT, PREC)
+        if STORE_BWD:
+            tl.store(Mqb + bT + p_t, b_Mqb, mask=m_r)
+        b_W = _load_rows(Wm + bk, p_k, m_rk)
+        b_G = _load_rows(Gm + bT, p_t, m_r)
         b_Q = b_q * tl.exp2(Gi) + tl.dot(b_Mqb, b_W, input_precision=PREC)
-        tl.store(Qs + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
+        tl.store(Qs + bk + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
         b_E = b_Mqk + tl.dot(b_Mqb, b_G, input_precision=PREC)
-        tl.store(Es + p_t, _cast(b_E, Es, LOWP), mask=m_r)
+        tl.store(Es + bT + p_t, _cast(b_E, Es, LOWP), mask=m_r)
 
         e_L = tl.exp2(g_L[None, :] - Gi)
-        b_bt = _load_rows(b, p_k, m_rk) * e_L
-        b_C = _load_rows(k, p_k, m_rk) * e_L + tl.dot(tl.trans(b_G), b_bt, input_precision=PREC)
-        tl.store(Cs + p_k, _cast(b_C, Cs, LOWP), mask=m_rk)
+        b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
+        b_C = _load_rows(k + bk, p_k, m_rk) * e_L + tl.dot(tl.trans(b_G), b_bt, input_precision=PREC)
+        tl.store(Cs + bk + p_k, _cast(b_C, Cs, LOWP), mask=m_rk)
         o_kr = tl.arange(0, BK)[:, None]
         o_kc = tl.arange(0, BK)[None, :]
         b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + tl.dot(tl.trans(b_bt), b_W, input_precision=PREC)
@@ -351,6 +382,9 @@ def _scan_fwd_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = o_k[:, None] * V + o_v[None, :]
     a_off = o_k[:, None] * K + o_k[None, :]
+    p_k0 = (rows * H * K)[:, None] + o_k[None, :]
+    p_v0 = (rows * H * V)[:, None] + o_v[None, :]
+    p_t0 = (rows * H * BT)[:, None] + rows[None, :]
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -360,16 +394,17 @@ def _scan_fwd_kernel(
         m_r = (rows < eos - t0)[:, None]
         if STORE_HS:
             tl.store(hs + ((c0 + i_t) * H + i_h) * K * V + s_off, S, mask=m_kv)
-        p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-        p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
-        b_v = _load_rows(v, p_v, m_r & m_v[None, :])
-        b_Q = _load_rows(Qs, p_k, m_r & m_k[None, :])
-        b_E = _load_rows(Es, p_t, m_r)
-        b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
+        base = t0 * H + i_h  # the chunk's first row: int64 scalar offsets, int32 tile offsets
+        bk = base * K
+        bv = base * V
+        bT = base * BT
+        b_v = _load_rows(v + bv, p_v0, m_r & m_v[None, :])
+        b_Q = _load_rows(Qs + bk, p_k0, m_r & m_k[None, :])
+        b_E = _load_rows(Es + bT, p_t0, m_r)
+        b_C = _load_rows(Cs + bk, p_k0, m_r & m_k[None, :])
         b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
         b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
-        tl.store(o + p_v, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
+        tl.store(o + bv + p_v0, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
         S = tl.dot(b_A, S, input_precision=PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
@@ -402,6 +437,9 @@ def _scan_bwd_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = o_k[:, None] * V + o_v[None, :]
     a_off = o_k[:, None] * K + o_k[None, :]
+    p_k0 = (rows * H * K)[:, None] + o_k[None, :]
+    p_v0 = (rows * H * V)[:, None] + o_v[None, :]
+    p_t0 = (rows * H * BT)[:, None] + rows[None, :]
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
@@ -412,136 +450,203 @@ def _scan_bwd_kernel(
         t0 = bos + i_t * BT
         m_r = (rows < eos - t0)[:, None]
         tl.store(dhs + ((c0 + i_t) * H + i_h) * K * V + s_off, dS, mask=m_kv)
-        p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-        p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
-        b_do = _load_rows(do, p_v, m_r & m_v[None, :])
-        b_Q = _load_rows(Qs, p_k, m_r & m_k[None, :])
-        b_E = _load_rows(Es, p_t, m_r)
-        b_C = _load_rows(Cs, p_k, m_r & m_k[None, :])
+        base = t0 * H + i_h  # the chunk's first row: int64 scalar offsets, int32 tile offsets
+        bk = base * K
+        bv = base * V
+        bT = base * BT
+        b_do = _load_rows(do + bv, p_v0, m_r & m_v[None, :])
+        b_Q = _load_rows(Qs + bk, p_k0, m_r & m_k[None, :])
+        b_E = _load_rows(Es + bT, p_t0, m_r)
+        b_C = _load_rows(Cs + bk, p_k0, m_r & m_k[None, :])
         b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
         b_dv = _dot(tl.trans(b_E), b_do, LOWP, PREC) + _dot(b_C, dS, LOWP, PREC)
-        tl.store(dv + p_v, _cast(b_dv, dv, LOWP), mask=m_r & m_v[None, :])
+        tl.store(dv + bv + p_v0, _cast(b_dv, dv, LOWP), mask=m_r & m_v[None, :])
         dS = tl.dot(tl.trans(b_A), dS, input_precision=PREC) + _dot(tl.trans(b_Q), b_do, LOWP, PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
 
 
 @triton.jit
-def _chunk_bwd_kernel(
-    q, w, k, v, a, b, do, hs, dhs, Wm, Gm, Tm, Mak, Mqb, cu_seqlens, chunk_info, scale, lower_bound,
-    dq, dw, dk, da, db,
+def _bwd_q_kernel(
+    q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, lower_bound,
+    dq, dEb, dMqbb, gq, dWb, dGb,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """One chunk and head: the gradients of the four chunk matrices, then W, G, B̃, the WY backward,
-    the intra backward of the chunk's regime (MODE as in `_regime_selected`), and dw by identity I2."""
+    """One chunk and head, output side: dQ' = dO S^T and dE = dO V^T (reductions over V), then
+    dM^qb = incl(dQ' W^T + dE G^T), the Q', E parts of dW = M^qb^T dQ' and dG = M^qb^T dE, dq (dQ̂ e^Γ +
+    the row side of dM^qk = incl(dE) and dM^qb) and its I2 term q dq. Stores dE, dM^qb, those parts
+    of dW and dG, and q dq (fp32) for the next kernels."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    t0, eos = _chunk_bounds(cu_seqlens, chunk_info, i_c, BT)
-    rows = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_r = (rows < eos - t0)[:, None]
-    m_rk = m_r & (o_k < K)[None, :]
-    p_k = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-    p_t = ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :]
-    if _regime_selected(w, p_k, m_rk, lower_bound, MODE):
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
+        rows = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
         incl = rows[:, None] >= rows[None, :]
-        strict = rows[:, None] > rows[None, :]
-
-        # 1. reductions over V: dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T
         dQ = tl.zeros([BT, BK], dtype=tl.float32)
         dE = tl.zeros([BT, BT], dtype=tl.float32)
+        h_base = (i_c.to(tl.int64) * H + i_h) * K * V
+        bv = (t0 * H + i_h) * V
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = (o_v < V)[None, :]
+            S = tl.load(hs + h_base + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & m_v, other=0.0)
+            p_v = (rows * H * V)[:, None] + o_v[None, :]
+            b_do = _load_rows(do + bv, p_v, m_r & m_v)
+            dQ += tl.dot(b_do, tl.trans(S), input_precision=PREC)
+            dE += tl.dot(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), input_precision=PREC)
+        tl.store(dEb + bT + p_t, dE, mask=m_r)
+        b_Mqb = _load_rows(Mqb + bT, p_t, m_r)
+        tl.store(dWb + bk + p_k, tl.dot(tl.trans(b_Mqb), dQ, input_precision=PREC), mask=m_rk)
+        tl.store(dGb + bT + p_t, tl.dot(tl.trans(b_Mqb), dE, input_precision=PREC), mask=m_r)
+        dMqb = tl.where(incl, tl.dot(dQ, tl.trans(_load_rows(Wm + bk, p_k, m_rk)), input_precision=PREC)
+                        + tl.dot(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), input_precision=PREC), 0.0)
+        tl.store(dMqbb + bT + p_t, dMqb, mask=m_r)
+        dMqk = tl.where(incl, dE, 0.0)
+        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            i_dq = (tl.dot(dMqk, _load_rows(k + bk, p_k, m_rk) * e_k, input_precision=PREC)
+                    + tl.dot(dMqb, _load_rows(b + bk, p_k, m_rk) * e_k, input_precision=PREC)) * e_q
+        else:
+            i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k + bk, p_k, m_rk), dMqb, _load_rows(b + bk, p_k, m_rk), Gi, Gi,
+                                      False, BT, BK, PREC)
+        b_dq = dQ * tl.exp2(Gi) + i_dq
+        tl.store(dq + bk + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
+        tl.store(gq + bk + p_k, _load_rows(q + bk, p_k, m_rk) * scale * b_dq, mask=m_rk)
+
+
+@triton.jit
+def _bwd_state_kernel(
+    w, k, v, b, hs, dhs, Wm, Gm, cu_seqlens, chunk_info, lower_bound,
+    dWb, dGb, dks, dbs, glast,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
+):
+    """One chunk and head, state side: dA = dS S^T and dC = V dS^T (reductions over V), then through
+    A = diag(e^Γ_L) + B̃^T W and C = K̃ + G^T B̃ to dB̃ = G dC + W dA^T, dW += B̃ dA and dG += B̃ dC^T
+    (added to the Q' and E parts that `_bwd_q_kernel` stored), the state-path parts of dk and db and
+    the chunk-total gate term of I2."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
+        rows = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
         dA = tl.zeros([BK, BK], dtype=tl.float32)
         dC = tl.zeros([BT, BK], dtype=tl.float32)
         h_base = (i_c.to(tl.int64) * H + i_h) * K * V
+        bv = (t0 * H + i_h) * V
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = (o_v < V)[None, :]
             s_off = o_k[:, None] * V + o_v[None, :]
-            p_v = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
             S = tl.load(hs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
             dS = tl.load(dhs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
-            b_do = _load_rows(do, p_v, m_r & m_v)
-            b_v = _load_rows(v, p_v, m_r & m_v)
-            dQ += tl.dot(b_do, tl.trans(S), input_precision=PREC)
-            dE += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+            p_v = (rows * H * V)[:, None] + o_v[None, :]
             dA += tl.dot(dS, tl.trans(S), input_precision=PREC)
-            dC += tl.dot(b_v, tl.trans(dS), input_precision=PREC)
-
-        # 2. through Q' = Q̂ + M^qb W, E = M^qk + M^qb G, A = diag(e^Γ_L) + B̃^T W, C = K̃ + G^T B̃
-        Gi, Ge, g_L = _gate_cumsums(w, p_k, m_rk)
+            dC += tl.dot(_load_rows(v + bv, p_v, m_r & m_v), tl.trans(dS), input_precision=PREC)
+        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
         e_L = tl.exp2(g_L[None, :] - Gi)
-        b_W = _load_rows(Wm, p_k, m_rk)
-        b_G = _load_rows(Gm, p_t, m_r)
-        b_bt = _load_rows(b, p_k, m_rk) * e_L
-        dbt = tl.dot(b_G, dC, input_precision=PREC) + tl.dot(b_W, tl.trans(dA), input_precision=PREC)
-        dMqb = tl.where(incl, tl.dot(dQ, tl.trans(b_W), input_precision=PREC)
-                        + tl.dot(dE, tl.trans(b_G), input_precision=PREC), 0.0)
-        b_Mqb = _load_rows(Mqb, p_t, m_r)
-        dW = tl.dot(tl.trans(b_Mqb), dQ, input_precision=PREC) + tl.dot(b_bt, dA, input_precision=PREC)
-        dG = tl.dot(tl.trans(b_Mqb), dE, input_precision=PREC) + tl.dot(b_bt, tl.trans(dC), input_precision=PREC)
-        dMqk = tl.where(incl, dE, 0.0)
+        dbt = tl.dot(_load_rows(Gm + bT, p_t, m_r), dC, input_precision=PREC) \
+            + tl.dot(_load_rows(Wm + bk, p_k, m_rk), tl.trans(dA), input_precision=PREC)
         o_kr = tl.arange(0, BK)[:, None]
         s_sum = tl.sum(tl.where(o_kr == o_k[None, :], dA, 0.0), 0)  # diag(dA) = rowsum(S^in * dS^out)
-        # state-path parts of dk, db and the chunk-total gate term of I2
         dk_s = dC * e_L
         db_s = dbt * e_L
-        g_last = tl.exp2(g_L) * s_sum + tl.sum(_load_rows(k, p_k, m_rk) * dk_s + _load_rows(b, p_k, m_rk) * db_s, 0)
+        tl.store(dks + bk + p_k, dk_s, mask=m_rk)
+        tl.store(dbs + bk + p_k, db_s, mask=m_rk)
+        g_last = tl.exp2(g_L) * s_sum + tl.sum(_load_rows(k + bk, p_k, m_rk) * dk_s
+                                               + _load_rows(b + bk, p_k, m_rk) * db_s, 0)
+        tl.store(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_last, mask=o_k < K)
+        b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
+        dW = _load_rows(dWb + bk, p_k, m_rk) + tl.dot(b_bt, dA, input_precision=PREC)
+        tl.store(dWb + bk + p_k, dW, mask=m_rk)
+        dG = _load_rows(dGb + bT, p_t, m_r) + tl.dot(b_bt, tl.trans(dC), input_precision=PREC)
+        tl.store(dGb + bT + p_t, dG, mask=m_r)
 
-        # dq (of the pre-scaled q): dQ̂ e^Γ + row side of dM^qk, dM^qb
-        if MODE == 1:
-            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            i_dq = (tl.dot(dMqk, _load_rows(k, p_k, m_rk) * e_k, input_precision=PREC)
-                    + tl.dot(dMqb, _load_rows(b, p_k, m_rk) * e_k, input_precision=PREC)) * e_q
-        else:
-            i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k, p_k, m_rk), dMqb, _load_rows(b, p_k, m_rk), Gi, Gi,
-                                      False, BT, BK, PREC)
-        b_dq = dQ * tl.exp2(Gi) + i_dq
-        tl.store(dq + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
-        gam = _load_rows(q, p_k, m_rk) * scale * b_dq
 
-        # 3. WY backward: W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1
-        b_Tm = tl.load(Tm + p_t, mask=m_r, other=0.0)
+@triton.jit
+def _bwd_wy_kernel(
+    w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, lower_bound,
+    da, ga, dMakb, dMabb,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    """One chunk and head, the WY backward (W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1):
+    dTm = dG M^ak^T + dW Â^T, dM^ak = strict(Tm^T dG), dÂ = Tm^T dW, dM^ab = strict(Tm^T dTm Tm^T),
+    then da (dÂ e^Γ̄ + the row side of dM^ak, dM^ab) and its I2 term a da."""
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
+        rows = tl.arange(0, BT)
+        strict = rows[:, None] > rows[None, :]
+        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+        b_Tm = tl.load(Tm + bT + p_t, mask=m_r, other=0.0)
+        dG = _load_rows(dGb + bT, p_t, m_r)
+        dW = _load_rows(dWb + bk, p_k, m_rk)
         e_Ge = tl.exp2(Ge)
-        dTm = tl.dot(dG, tl.trans(_load_rows(Mak, p_t, m_r)), input_precision=PREC) \
-            + tl.dot(dW, tl.trans(_load_rows(a, p_k, m_rk) * e_Ge), input_precision=PREC)
+        b_a = _load_rows(a + bk, p_k, m_rk)
+        dTm = tl.dot(dG, tl.trans(_load_rows(Mak + bT, p_t, m_r)), input_precision=PREC) \
+            + tl.dot(dW, tl.trans(b_a * e_Ge), input_precision=PREC)
         dMak = tl.where(strict, tl.dot(tl.trans(b_Tm), dG, input_precision=PREC), 0.0)
+        tl.store(dMakb + bT + p_t, dMak, mask=m_r)
         dAh = tl.dot(tl.trans(b_Tm), dW, input_precision=PREC)
         dMab = tl.dot(tl.dot(tl.trans(b_Tm), dTm, input_precision=PREC), tl.trans(b_Tm), input_precision=PREC)
         dMab = tl.where(strict, dMab, 0.0)
-
-        # 4. da, then dk and db (column side), then dw by I2:
-        #    dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,  γ = q dq + a da - k dk - b db
+        tl.store(dMabb + bT + p_t, dMab, mask=m_r)
         if MODE == 1:
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            i_da = (tl.dot(dMak, _load_rows(k, p_k, m_rk) * e_k, input_precision=PREC)
-                    + tl.dot(dMab, _load_rows(b, p_k, m_rk) * e_k, input_precision=PREC)) * e_a
+            i_da = (tl.dot(dMak, _load_rows(k + bk, p_k, m_rk) * e_k, input_precision=PREC)
+                    + tl.dot(dMab, _load_rows(b + bk, p_k, m_rk) * e_k, input_precision=PREC)) * e_a
         else:
-            i_da = _pairwise_rows_bwd(dMak, _load_rows(k, p_k, m_rk), dMab, _load_rows(b, p_k, m_rk), Ge, Gi,
+            i_da = _pairwise_rows_bwd(dMak, _load_rows(k + bk, p_k, m_rk), dMab, _load_rows(b + bk, p_k, m_rk), Ge, Gi,
                                       True, BT, BK, PREC)
-        b_a = _load_rows(a, p_k, m_rk)
         b_da = dAh * e_Ge + i_da
-        tl.store(da + p_k, _cast(b_da, da, LOWP), mask=m_rk)
-        g_a = b_a * b_da
-        gam += g_a
-        b_q = _load_rows(q, p_k, m_rk) * scale
+        tl.store(da + bk + p_k, _cast(b_da, da, LOWP), mask=m_rk)
+        tl.store(ga + bk + p_k, b_a * b_da, mask=m_rk)
+
+
+@triton.jit
+def _bwd_kb_kernel(
+    q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale, lower_bound,
+    dw, dk, db,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    """One chunk and head, column side: dk = state part + dM^qk, dM^ak columns, db = state part + dM^qb,
+    dM^ab columns, then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last, γ = q dq + a da - k dk - b db."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
+        rows = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        incl = rows[:, None] >= rows[None, :]
+        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+        dMqk = tl.where(incl, _load_rows(dEb + bT, p_t, m_r), 0.0)
+        dMqb = _load_rows(dMqbb + bT, p_t, m_r)
+        dMak = _load_rows(dMakb + bT, p_t, m_r)
+        dMab = _load_rows(dMabb + bT, p_t, m_r)
+        b_q = _load_rows(q + bk, p_k, m_rk) * scale
+        b_a = _load_rows(a + bk, p_k, m_rk)
         if MODE == 1:
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
             qc = b_q * e_q
             ac = b_a * e_a
-            i_dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC) + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
+            i_dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC)
+                    + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
             i_db = (tl.dot(tl.trans(dMqb), qc, input_precision=PREC)
                     + tl.dot(tl.trans(dMab), ac, input_precision=PREC)) * e_k
         else:
             i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
-        b_dk = dk_s + i_dk
-        b_db = db_s + i_db
-        tl.store(dk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
-        tl.store(db + p_k, _cast(b_db, db, LOWP), mask=m_rk)
-        gam -= _load_rows(k, p_k, m_rk) * b_dk + _load_rows(b, p_k, m_rk) * b_db
+        b_dk = _load_rows(dks + bk, p_k, m_rk) + i_dk
+        b_db = _load_rows(dbs + bk, p_k, m_rk) + i_db
+        tl.store(dk + bk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
+        tl.store(db + bk + p_k, _cast(b_db, db, LOWP), mask=m_rk)
+        g_a = _load_rows(ga + bk, p_k, m_rk)
+        gam = _load_rows(gq + bk, p_k, m_rk) + g_a
+        gam -= _load_rows(k + bk, p_k, m_rk) * b_dk + _load_rows(b + bk, p_k, m_rk) * b_db
         rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
-        tl.store(dw + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
+        g_last = tl.load(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
+        tl.store(dw + bk + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -588,8 +693,10 @@ class _Plan:
         self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
         self.BK = max(triton.next_power_of_2(K), 16)
         bt_centred = centred_chunk_size(gate_lower_bound)
-        if bt_centred is not None and self.BK > 64:
-            # 3xTF32 products at K > 64 need C <= 32 to fit the per-chunk backward in shared memory
+        if bt_centred is not None:
+            # C = 32 even where the headroom rule allows 64: the per-chunk kernels then hold [32, K] tiles
+            # (16 registers per thread at 4 warps and K = 64) and spill almost nothing, where C = 64
+            # spilled 2-5 KB per thread in each of them (ptxas, sm_90, 3xTF32)
             bt_centred = min(bt_centred, 32)
         self.centred = bt_centred is not None
         self.BT = bt_centred if self.centred else 16
@@ -600,7 +707,7 @@ class _Plan:
         self.NT = self.chunk_info.shape[0]
         self.BV = _scan_block_v(self.N, H, V)
         self.NV = triton.cdiv(V, self.BV)
-        self.BV_bwd = min(max(triton.next_power_of_2(V), 16), 64 if self.BK <= 64 else 32)
+        self.BV_bwd = min(max(triton.next_power_of_2(V), 16), 32)  # V block of the backward's reductions over V
         # the scans prefetch the next chunk's matrices (2 stages) where shared memory allows
         self.scan_stages = 2 if self.BK <= 64 else 1
         interp = _interpreting()
@@ -618,25 +725,60 @@ class _Plan:
 
 
 def _prepare(plan, q, w, k, a, b, scale, store_bwd):
+    """The per-chunk matrices of the scans (Q', E, C in plan.scan_dtype, A fp32) and W, G; with
+    store_bwd also Tm, M^ak, M^qb (fp32) for the backward."""
     B, T, H, K, BT = plan.B, plan.T, plan.H, plan.K, plan.BT
     dev = q.device
     it = dict(dtype=plan.scan_dtype, device=dev)
+    f32 = dict(dtype=torch.float32, device=dev)
     out = dict(Qs=torch.empty(B, T, H, K, **it), Es=torch.empty(B, T, H, BT, **it), Cs=torch.empty(B, T, H, K, **it),
-               As=torch.empty(plan.NT, H, K, K, dtype=torch.float32, device=dev))
+               As=torch.empty(plan.NT, H, K, K, **f32),
+               Wm=torch.empty(B, T, H, K, **f32), Gm=torch.empty(B, T, H, BT, **f32))
     if store_bwd:
-        f32 = dict(dtype=torch.float32, device=dev)
-        out.update(Wm=torch.empty(B, T, H, K, **f32), Gm=torch.empty(B, T, H, BT, **f32),
-                   Tm=torch.empty(B, T, H, BT, **f32), Mak=torch.empty(B, T, H, BT, **f32),
+        out.update(Tm=torch.empty(B, T, H, BT, **f32), Mak=torch.empty(B, T, H, BT, **f32),
                    Mqb=torch.empty(B, T, H, BT, **f32))
     for mode in plan.modes:
-        _prepare_kernel[(plan.NT, H)](
-            q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
-            out["Qs"], out["Es"], out["Cs"], out["As"],
-            out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
+        _prepare_wy_kernel[(plan.NT, H)](
+            w, k, a, b, plan.cu, plan.chunk_info, plan.lower_bound,
+            out["Wm"], out["Gm"], out.get("Tm"), out.get("Mak"),
+            H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd, PREC=plan.prec,
+            num_warps=WARPS_CHUNK, num_stages=1,
+        )
+        _prepare_maps_kernel[(plan.NT, H)](
+            q, w, k, b, plan.cu, plan.chunk_info, scale, plan.lower_bound, out["Wm"], out["Gm"],
+            out["Qs"], out["Es"], out["Cs"], out["As"], out.get("Mqb"),
             H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd, LOWP=plan.lowp,
             PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
         )
     return out
+
+
+def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
+    """dq, dw, dk, da, db from the states, the state gradients and the per-chunk intermediates: four
+    per-chunk kernels (output side, state side, WY, column side and I2) that pass fp32 tiles through
+    global memory, so that none of them holds more than a few [BT, 64] tiles at once."""
+    B, T, H, K, V, BT = plan.B, plan.T, plan.H, plan.K, plan.V, plan.BT
+    f32 = dict(dtype=torch.float32, device=q.device)
+    per_k = lambda: torch.empty(B, T, H, K, **f32)  # noqa: E731
+    per_t = lambda: torch.empty(B, T, H, BT, **f32)  # noqa: E731
+    gq, dWb, dks, dbs, ga = per_k(), per_k(), per_k(), per_k(), per_k()
+    dEb, dMqbb, dGb, dMakb, dMabb = per_t(), per_t(), per_t(), per_t(), per_t()
+    glast = torch.empty(plan.NT, H, K, **f32)
+    dq, dw, dk, da, db = (torch.empty_like(x) for x in (q, w, k, a, b))
+    grid = (plan.NT, H)
+    common = dict(H=H, K=K, BT=BT, BK=plan.BK, PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1)
+    for mode in plan.modes:
+        _bwd_q_kernel[grid](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu, plan.chunk_info, scale,
+                            plan.lower_bound, dq, dEb, dMqbb, gq, dWb, dGb,
+                            V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, **common)
+        _bwd_state_kernel[grid](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu,
+                                plan.chunk_info, plan.lower_bound, dWb, dGb, dks, dbs, glast,
+                                V=V, BV=plan.BV_bwd, MODE=mode, **common)
+        _bwd_wy_kernel[grid](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info, plan.lower_bound,
+                             da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, **common)
+        _bwd_kb_kernel[grid](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
+                             plan.chunk_info, scale, plan.lower_bound, dw, dk, db, MODE=mode, LOWP=plan.lowp, **common)
+    return dq, dw, dk, da, db
 
 
 class ChunkRWKV7Function(torch.autograd.Function):
@@ -683,28 +825,21 @@ class ChunkRWKV7Function(torch.autograd.Function):
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=ctx.has_h0,
             LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
         )
-        dr, dw, dk, da, db = (torch.empty_like(x) for x in (r, w, k, a, b))
-        for mode in plan.modes:
-            _chunk_bwd_kernel[(plan.NT, H)](
-                r, w, k, v, a, b, do, hs, dhs, pre["Wm"], pre["Gm"], pre["Tm"], pre["Mak"], pre["Mqb"],
-                plan.cu, plan.chunk_info, scale, plan.lower_bound,
-                dr, dw, dk, da, db,
-                H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp,
-                PREC=plan.prec,
-                num_warps=WARPS_CHUNK, num_stages=1,
-            )
+        dr, dw, dk, da, db = _chunk_bwd(plan, pre, r, w, k, v, a, b, do, hs, dhs, scale)
         return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
 
 
 def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                       gate_lower_bound=None, cache_intermediates=False):
+                       gate_lower_bound=None, cache_intermediates=True):
     """Chunked RWKV7 with Triton, forward and backward. Inputs are already validated.
 
     gate_lower_bound: a claim that w >= bound everywhere. It selects the centred tensor-core regime
     only if it passes the fp32 headroom rule, and each chunk re-checks it on its own gates before
-    using it. cache_intermediates: keep the per-chunk forward intermediates for the backward instead
-    of recomputing them (faster backward; about (4 K + 4 BT) bf16/fp32 values per token and head, plus
-    K*K fp32 per chunk and head, more memory, which is why it is off by default).
+    using it. cache_intermediates (default on): keep the forward's per-chunk intermediates for the
+    backward instead of running `_prepare` again: per token and head 2 K + C bf16 (Q', C, E) and
+    K + 4 C fp32 (W, G, Tm, M^ak, M^qb), plus K*K fp32 (A) per chunk and head; at K = 64, C = 32
+    1600 bytes per token and head (0.84 GB per layer at B16 T2048 H16), held from the forward to the
+    backward. Off: the backward recomputes them (the two `_prepare` kernels once more).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

@@ -295,12 +295,12 @@ def test_deterministic_backward(op):
 
 
 def test_cached_intermediates_match_recompute():
-    """cache_intermediates (the default) keeps the forward's per-chunk products: bitwise the same
-    gradients as recomputing them in the backward."""
+    """cache_intermediates keeps the forward's per-chunk products: bitwise the same gradients as
+    recomputing them in the backward (the default)."""
     inputs = rwkv7_inputs(T=70)
     for bound in (None, LB):
         recompute = _run(chunk_rwkv7_triton, inputs, 1.0, gate_lower_bound=bound, cache_intermediates=False)
-        cached = _run(chunk_rwkv7_triton, inputs, 1.0, gate_lower_bound=bound)
+        cached = _run(chunk_rwkv7_triton, inputs, 1.0, gate_lower_bound=bound, cache_intermediates=True)
         for name in recompute[2]:
             assert torch.equal(recompute[2][name], cached[2][name]), f"d{name} differs with caching"
 

@@ -361,6 +361,18 @@ def _prepare_maps_kernel(
 
 
 @triton.jit
+def _load_chunk_maps(Qs, Es, Cs, As, t0, i_c, i_h, H, K, BT: tl.constexpr, p_k0, p_t0, a_off, m_r, m_k):
+    """The scans' per-chunk maps Q', E, C (rows of the chunk starting at token t0) and A (chunk i_c),
+    fp32. int64 scalar offsets of the chunk's first row, int32 tile offsets."""
+    base = t0 * H + i_h
+    b_Q = _load_rows(Qs + base * K, p_k0, m_r & m_k[None, :])
+    b_E = _load_rows(Es + base * BT, p_t0, m_r)
+    b_C = _load_rows(Cs + base * K, p_k0, m_r & m_k[None, :])
+    b_A = tl.load(As + (i_c * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
+    return b_Q, b_E, b_C, b_A
+
+
+@triton.jit
 def _scan_fwd_kernel(
     v, Qs, Es, Cs, As, h0, hs, ht, o, cu_seqlens, chunk_offsets,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -394,15 +406,9 @@ def _scan_fwd_kernel(
         m_r = (rows < eos - t0)[:, None]
         if STORE_HS:
             tl.store(hs + ((c0 + i_t) * H + i_h) * K * V + s_off, S, mask=m_kv)
-        base = t0 * H + i_h  # the chunk's first row: int64 scalar offsets, int32 tile offsets
-        bk = base * K
-        bv = base * V
-        bT = base * BT
+        bv = (t0 * H + i_h) * V
         b_v = _load_rows(v + bv, p_v0, m_r & m_v[None, :])
-        b_Q = _load_rows(Qs + bk, p_k0, m_r & m_k[None, :])
-        b_E = _load_rows(Es + bT, p_t0, m_r)
-        b_C = _load_rows(Cs + bk, p_k0, m_r & m_k[None, :])
-        b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
+        b_Q, b_E, b_C, b_A = _load_chunk_maps(Qs, Es, Cs, As, t0, c0 + i_t, i_h, H, K, BT, p_k0, p_t0, a_off, m_r, m_k)
         b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
         tl.store(o + bv + p_v0, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
         S = tl.dot(b_A, S, input_precision=PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
@@ -450,15 +456,9 @@ def _scan_bwd_kernel(
         t0 = bos + i_t * BT
         m_r = (rows < eos - t0)[:, None]
         tl.store(dhs + ((c0 + i_t) * H + i_h) * K * V + s_off, dS, mask=m_kv)
-        base = t0 * H + i_h  # the chunk's first row: int64 scalar offsets, int32 tile offsets
-        bk = base * K
-        bv = base * V
-        bT = base * BT
+        bv = (t0 * H + i_h) * V
         b_do = _load_rows(do + bv, p_v0, m_r & m_v[None, :])
-        b_Q = _load_rows(Qs + bk, p_k0, m_r & m_k[None, :])
-        b_E = _load_rows(Es + bT, p_t0, m_r)
-        b_C = _load_rows(Cs + bk, p_k0, m_r & m_k[None, :])
-        b_A = tl.load(As + ((c0 + i_t) * H + i_h) * K * K + a_off, mask=m_k[:, None] & m_k[None, :], other=0.0)
+        b_Q, b_E, b_C, b_A = _load_chunk_maps(Qs, Es, Cs, As, t0, c0 + i_t, i_h, H, K, BT, p_k0, p_t0, a_off, m_r, m_k)
         b_dv = _dot(tl.trans(b_E), b_do, LOWP, PREC) + _dot(b_C, dS, LOWP, PREC)
         tl.store(dv + bv + p_v0, _cast(b_dv, dv, LOWP), mask=m_r & m_v[None, :])
         dS = tl.dot(tl.trans(b_A), dS, input_precision=PREC) + _dot(tl.trans(b_Q), b_do, LOWP, PREC)

@@ -4,6 +4,13 @@
     python bench/ops.py --ops chunk_rwkv6      # a subset
     python bench/ops.py --profile              # also a per-kernel profile of one forward+backward
     python bench/ops.py --value-checks         # with flame's input value checks (a host sync per call)
+    python bench/ops.py --ops chunk_gsa --warm-only   # compile (and autotune) only, no timing
+    python bench/ops.py --ops chunk_gsa --shape 2 --libs fla   # one shape, one library
+
+Triton compiles (and fla autotunes) on first use, one CPU core per process; fla's cold autotune takes
+minutes. `--warm-only` runs each op's forward+backward once per shape and library and prints nothing
+else: several such processes in parallel (one per op, shape and library) fill Triton's on-disk cache,
+and a timing run after them starts warm. Do not time while other processes use the GPU.
 
 Times are medians of `triton.testing.do_bench` (ms): the forward, and forward + backward (the
 backward of <o, do> with a fixed random do). `ratio` is flame / fla (< 1: flame is faster).
@@ -272,11 +279,27 @@ def _profile(fn: Callable[[dict], torch.Tensor], inputs: dict, title: str) -> No
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
+def _row(times: dict[str, tuple[float, float]]) -> str:
+    """flame fwd, fla fwd, ratio, flame f+b, fla f+b, ratio; '-' where a library was not timed."""
+    cells = []
+    for j, width in ((0, 10), (1, 11)):
+        mine, theirs = times.get("flame"), times.get("fla")
+        cells.append(f"{mine[j]:>{width}.3f}" if mine else f"{'-':>{width}}")
+        cells.append(f"{theirs[j]:>10.3f}" if theirs else f"{'-':>10}")
+        cells.append(f"{mine[j] / theirs[j]:>7.2f}" if mine and theirs else f"{'-':>7}")
+    return "".join(cells)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(REGISTRY), help="comma-separated op names")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--profile", action="store_true", help="print a per-kernel profile of each op's first shape")
+    parser.add_argument("--profile", action="store_true",
+                        help="print a per-kernel profile of each op's first shape (or of --shape)")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="compile and autotune only: one forward+backward per op, shape and library")
+    parser.add_argument("--shape", type=int, default=None, help="only this index into each op's shapes")
+    parser.add_argument("--libs", default="flame,fla", help="flame,fla (default), flame or fla")
     parser.add_argument("--value-checks", action="store_true",
                         help="keep flame's input value checks on (one host sync per call; fla has none)")
     args = parser.parse_args(argv)
@@ -287,6 +310,9 @@ def main(argv=None) -> None:
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise SystemExit(f"unknown ops {unknown}; registered: {list(REGISTRY)}")
+    libs = {lib for lib in args.libs.split(",") if lib}
+    if not libs or not libs <= {"flame", "fla"}:
+        raise SystemExit(f"--libs takes flame, fla or both, not {args.libs!r}")
 
     from flame.ops.checks import set_value_checks
     set_value_checks(args.value_checks)
@@ -298,22 +324,28 @@ def main(argv=None) -> None:
     print("-" * len(header))
     for name in names:
         op = REGISTRY[name]
-        fla_fn = op.fla() if op.fla is not None else None
+        fla_fn = op.fla() if op.fla is not None and "fla" in libs else None
+        flame_fn = op.flame if "flame" in libs else None
         for i, shape in enumerate(op.shapes):
+            if args.shape is not None and i != args.shape:
+                continue
             label = "_".join(f"{k}{v}" for k, v in shape.items())
             try:  # one failing op (or fla version mismatch) must not hide the others' numbers
                 inputs = op.make_inputs(dtype, "cuda", **shape)
-                f_fwd, f_all = _time(op.flame, inputs)
-                if fla_fn is not None:
-                    r_fwd, r_all = _time(fla_fn, inputs)
-                    cmp = f"{r_fwd:>10.3f}{f_fwd / r_fwd:>7.2f}", f"{r_all:>10.3f}{f_all / r_all:>7.2f}"
-                else:
-                    cmp = f"{'-':>10}{'-':>7}", f"{'-':>10}{'-':>7}"
-                print(f"{name:<24}{label:<28}{f_fwd:>10.3f}{cmp[0]}{f_all:>11.3f}{cmp[1]}", flush=True)
-                if args.profile and i == 0:
-                    _profile(op.flame, inputs, f"flame {name} {label}")
-                    if fla_fn is not None:
-                        _profile(fla_fn, inputs, f"fla {name} {label}")
+                if args.warm_only:
+                    for fn in (flame_fn, fla_fn):
+                        if fn is not None:
+                            out = fn(inputs)
+                            torch.autograd.backward(out, torch.ones_like(out))
+                    torch.cuda.synchronize()
+                    print(f"{name:<24}{label:<28}warm", flush=True)
+                    continue
+                times = {lib: _time(fn, inputs) for lib, fn in (("flame", flame_fn), ("fla", fla_fn)) if fn is not None}
+                print(f"{name:<24}{label:<28}{_row(times)}", flush=True)
+                if args.profile and (args.shape is not None or i == 0):
+                    for lib, fn in (("flame", flame_fn), ("fla", fla_fn)):
+                        if fn is not None:
+                            _profile(fn, inputs, f"{lib} {name} {label}")
             except Exception as err:  # noqa: BLE001 - reported, then the next shape runs
                 print(f"{name:<24}{label:<28}FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
             inputs = None

@@ -18,7 +18,9 @@ if [[ $TOTAL -eq 0 ]]; then
   echo "== $NAME: no tests collected from: $*" | tee "$OUTDIR/$NAME.log"
   exit 1
 fi
-split -n "l/$GROUPS_N" "$WORK/ids" "$WORK/ids."
+# round robin: a file's slow GPU-only tests sit next to each other, and a contiguous split put them
+# all in one group
+split -n "r/$GROUPS_N" "$WORK/ids" "$WORK/ids."
 for ids in "$WORK"/ids.*; do
   [[ -s $ids ]] || continue
   # ids are read by Python: parametrized ids may hold spaces and brackets
@@ -34,7 +36,7 @@ STATUS=0
     log=${ids/ids./log.}
     line=$(grep -E "^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|error).* =+$|no tests ran" "$log" | tail -1)
     if [[ -z $line ]]; then
-      echo "TIMED OUT ($(wc -l < "$ids") tests): $(tr '\n' ' ' < "$ids" | cut -c1-600)"
+      echo "TIMED OUT ($(wc -l < "$ids") tests): $(tr '\n' ' ' < "$ids")"
       STATUS=1
     else
       echo "$line"

@@ -41,13 +41,16 @@ nvidia-smi -L 2>/dev/null
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $MODE in
   h100|cpu-smoke)
-    run gpu1_straight 210 python3 -m flame.train "${COMMON[@]}" --training.batch_size 8
+    run gpu1_straight 210 python3 -m flame.train "${COMMON[@]}" --training.batch_size 8 \
+      --training.gradient_accumulation_steps 1
     copy_checkpoint gpu1_straight gpu1_resumed
-    run gpu1_resumed 130 python3 -m flame.train "${COMMON[@]}" --training.batch_size 8
+    run gpu1_resumed 130 python3 -m flame.train "${COMMON[@]}" --training.batch_size 8 \
+      --training.gradient_accumulation_steps 1
     python3 bench/train_compare.py --equal "$RUNS/gpu1_straight/metrics.jsonl" "$RUNS/gpu1_resumed/metrics.jsonl"
     ;;
   h200x2)
-    run gpu2_fsdp 200 env NGPU=2 LOG_DIR="$RUNS/logs2" bash launch/train.sh "${COMMON[@]}" --training.batch_size 8
+    run gpu2_fsdp 200 env NGPU=2 LOG_DIR="$RUNS/logs2" bash launch/train.sh "${COMMON[@]}" --training.batch_size 8 \
+      --training.gradient_accumulation_steps 1
     run gpu1_ref 200 env CUDA_VISIBLE_DEVICES=0 python3 -m flame.train "${COMMON[@]}" --training.batch_size 8 \
       --training.gradient_accumulation_steps 2
     python3 bench/train_compare.py "$RUNS/gpu1_ref/metrics.jsonl" "$RUNS/gpu2_fsdp/metrics.jsonl"

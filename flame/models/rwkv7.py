@@ -41,6 +41,7 @@ class RWKV7Attention(nn.Module):
         self.layer_id, self.num_layers = layer_id, args.num_layers
         self.num_heads, self.head_dim = rwkv_heads(args)
         self.backend = args.backend
+        self.cache_intermediates = args.cache_intermediates
         C = args.hidden_size
         ranks = init.rwkv7_lora_ranks(C)
         rank_w = args.decay_low_rank_dim or ranks["decay"]
@@ -123,6 +124,7 @@ class RWKV7Attention(nn.Module):
         o, _ = ops.chunk_rwkv7(
             r, w, k, v, -kappa, kappa * a,
             scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend, gate_lower_bound=-DECAY_BOUND,
+            cache_intermediates=self.cache_intermediates,
         )
         o = self.ln_x(o.reshape(B * T, C)).view(B, T, H, N)
         o = o + (r * k * self.r_k).sum(dim=-1, keepdim=True) * v

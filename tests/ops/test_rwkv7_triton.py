@@ -19,7 +19,7 @@ from flame.ops.rwkv7.fused_recurrent import fused_recurrent_rwkv7
 from flame.ops.rwkv7.fused_recurrent_triton import fused_recurrent_rwkv7_triton
 from flame.ops.rwkv7.naive import naive_rwkv7
 from flame.ops.rwkv7.wy_inverse_triton import unit_lower_inverse_triton
-from tests.ops.assertions import assert_close, assert_finite
+from tests.ops.assertions import assert_close, assert_finite, rel_rms_error
 from tests.ops.inputs import (RWKV7_LOG_DECAY_BOUND, grad_leaves, loss_of, make_cu_seqlens, make_rwkv7_inputs,
                               random_like, rwkv7_a_b, to_reference, varlen_state)
 
@@ -303,6 +303,25 @@ def test_cached_intermediates_match_recompute():
         cached = _run(chunk_rwkv7_triton, inputs, 1.0, gate_lower_bound=bound, cache_intermediates=True)
         for name in recompute[2]:
             assert torch.equal(recompute[2][name], cached[2][name]), f"d{name} differs with caching"
+
+
+def test_public_op_passes_cache_intermediates():
+    """chunk_rwkv7(backend="triton", cache_intermediates=True) reaches the kernels (the forward keeps its
+    intermediates for the backward; by default it keeps none), and gives the default's gradients; the
+    PyTorch backend accepts and ignores the flag."""
+    inputs = rwkv7_inputs(T=40, H=2)
+    kept, _ = chunk_rwkv7(**inputs, backend="triton", gate_lower_bound=LB, cache_intermediates=True)
+    assert kept.grad_fn.pre is not None
+    default, _ = chunk_rwkv7(**inputs, backend="triton", gate_lower_bound=LB)
+    assert default.grad_fn.pre is None
+    do = random_like(default, 3)
+    leaves = list(grad_leaves(inputs).values())
+    for g_kept, g_default in zip(torch.autograd.grad(kept, leaves, do, allow_unused=True),
+                                 torch.autograd.grad(default, leaves, do, allow_unused=True)):
+        assert (g_kept is None and g_default is None) or rel_rms_error(g_default, g_kept) < 1e-5
+    ref_inputs = to_reference(inputs)
+    torch_o, _ = chunk_rwkv7(**ref_inputs, backend="torch", cache_intermediates=True)
+    assert_close("o", torch_o, kept, RATIO[torch.float32])
 
 
 def test_rejects_float64():

@@ -8,7 +8,7 @@ from .chunk_torch import chunk_rwkv7_torch
 
 
 def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                backend="auto", gate_lower_bound=None):
+                backend="auto", gate_lower_bound=None, cache_intermediates=False):
     """RWKV7 attention (the DPLR delta rule, kernels.md 2.1) in chunked form.
 
     Args:
@@ -22,6 +22,10 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
         backend: "auto" (Triton for CUDA tensors, PyTorch for CPU), "triton" or "torch".
         gate_lower_bound: None, or a promise that w >= this negative bound everywhere (checked when
             value checks are on); kernels may use it for faster stable paths.
+        cache_intermediates: Triton backend only (the PyTorch one ignores it): keep the forward's
+            per-chunk intermediates for the backward instead of recomputing them, 1600 bytes per token
+            and head more memory for a faster backward (H100, B8 T2048 H16 D64, bf16: forward+backward
+            4.28 ms instead of 5.31).
 
     Returns:
         (o [B, T, H, V] in the input dtype, final state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None).
@@ -36,5 +40,5 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     if resolve_backend(backend, r.device, "chunk_rwkv7") == "triton":
         from .chunk_triton import chunk_rwkv7_triton
         return run_eager(chunk_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                         gate_lower_bound)
+                         gate_lower_bound, cache_intermediates)
     return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

@@ -332,19 +332,17 @@ def main(argv=None) -> None:
             label = "_".join(f"{k}{v}" for k, v in shape.items())
             try:  # one failing op (or fla version mismatch) must not hide the others' numbers
                 inputs = op.make_inputs(dtype, "cuda", **shape)
+                fns = [(lib, fn) for lib, fn in (("flame", flame_fn), ("fla", fla_fn)) if fn is not None]
                 if args.warm_only:
-                    for fn in (flame_fn, fla_fn):
-                        if fn is not None:
-                            out = fn(inputs)
-                            torch.autograd.backward(out, torch.ones_like(out))
+                    for _, fn in fns:
+                        out = fn(inputs)
+                        torch.autograd.backward(out, torch.ones_like(out))
                     torch.cuda.synchronize()
                     print(f"{name:<24}{label:<28}warm", flush=True)
-                    continue
-                times = {lib: _time(fn, inputs) for lib, fn in (("flame", flame_fn), ("fla", fla_fn)) if fn is not None}
-                print(f"{name:<24}{label:<28}{_row(times)}", flush=True)
-                if args.profile and (args.shape is not None or i == 0):
-                    for lib, fn in (("flame", flame_fn), ("fla", fla_fn)):
-                        if fn is not None:
+                else:
+                    print(f"{name:<24}{label:<28}{_row({lib: _time(fn, inputs) for lib, fn in fns})}", flush=True)
+                    if args.profile and (args.shape is not None or i == 0):
+                        for lib, fn in fns:
                             _profile(fn, inputs, f"{lib} {name} {label}")
             except Exception as err:  # noqa: BLE001 - reported, then the next shape runs
                 print(f"{name:<24}{label:<28}FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)

@@ -88,8 +88,8 @@ def test_config_sizes_match_the_issue():
         assert t.mixed_precision_param == "bfloat16" and t.max_norm == 1.0 and cfg.metrics.log_freq == 10
 
 
-@pytest.mark.parametrize("cache", [False, True])
-def test_rwkv7_cache_intermediates_reaches_the_op(monkeypatch, cache):
+@pytest.mark.parametrize("overrides, cache", [({}, False), ({"cache_intermediates": True}, True)])
+def test_rwkv7_cache_intermediates_reaches_the_op(monkeypatch, overrides, cache):
     """model.cache_intermediates is passed by every RWKV7 layer to chunk_rwkv7 (default off)."""
     from flame import ops
     from tests.models.helpers import build_seeded, tiny_args
@@ -102,7 +102,7 @@ def test_rwkv7_cache_intermediates_reaches_the_op(monkeypatch, cache):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops, "chunk_rwkv7", spy)
-    args = tiny_args("rwkv7", cache_intermediates=cache) if cache else tiny_args("rwkv7")
+    args = tiny_args("rwkv7", **overrides)
     model = build_seeded(args)
     model(torch.randint(0, args.vocab_size, (1, 8)))
     assert seen == [cache] * args.num_layers

@@ -32,7 +32,7 @@ def mm(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _truncate_to_tf32(x):
+def truncate_to_tf32(x):
     """x with its mantissa cut to TF32's 10 bits (the interpreter's stand-in for TF32 operands)."""
     return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
@@ -45,10 +45,22 @@ def mm_tf32(a, b, DT: tl.constexpr):
     if DT == tl.float32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif INTERPRET:
-        return tl.dot(_truncate_to_tf32(a.to(tl.float32)), _truncate_to_tf32(b.to(tl.float32)),
+        return tl.dot(truncate_to_tf32(a.to(tl.float32)), truncate_to_tf32(b.to(tl.float32)),
                       input_precision="ieee")
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+
+
+@triton.jit
+def mm_tf32_if(a, b, TF32: tl.constexpr, PREC: tl.constexpr):
+    """a @ b for fp32 operands, fp32 accumulation: one TF32 pass where TF32 is 1 (2: the same under the
+    interpreter, by truncating the operands), input_precision PREC (e.g. "tf32x3") where it is 0."""
+    if TF32 == 1:
+        return tl.dot(a, b, input_precision="tf32")
+    elif TF32 == 2:
+        return tl.dot(truncate_to_tf32(a), truncate_to_tf32(b), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit

@@ -39,18 +39,26 @@ Intra regimes (kernels.md 2.3):
   gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124 (BT <= 32 in
   any case: [32, 64] tiles cost 16 registers per thread at 4 warps, [64, 64] ones 32), and then
   only for chunks whose gates really are >= lb, checked inside the kernels per chunk, with no host
-  sync: the per-chunk kernels run twice, MODE 1 on the chunks that keep the promise (centred)
-  and MODE 2 on those that break it (exact per-pair at the same chunk size); each program skips the
-  chunks that are not its mode's. (One program holding both paths needed twice the registers.)
+  sync; the chunks that break the promise take the exact per-pair path at the same chunk size.
+  `_prepare_wy`, `_prepare_maps` and `_bwd_kb` branch per program at run time (`_centred_here`);
+  `_bwd_q` and `_bwd_wy`, which spill more with both paths and ran 15-50% slower that way, launch
+  twice instead, each launch skipping the chunks of the other regime (`_regime_selected`); `_bwd_state`
+  and the scans do not depend on the regime. (A second launch costs ~40 us on an H100 even when no
+  chunk breaks the bound: 0.3 ms of a 4.8 ms forward+backward with second launches everywhere.)
 
 Precision: every product is fp32-accurate (3xTF32), with fp32 decay cumsums, states, state
-gradients and intermediates, except for bf16 inputs: the q-side intra products M^qk, M^qb take bf16
-operands, and the scans' per-token matrices Q', E, C are stored in bf16 and multiplied with bf16
-operands (fp32 accumulation, `_dot` with LOWP) everywhere but in the recurrence A S itself. Plain TF32
-overflowed a trained head (commit 18d7abb); bf16 in W, G or the backward's products cost up to 4x the
-error there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
+gradients and intermediates, except for bf16 inputs:
+- the q-side intra products M^qk, M^qb take bf16 operands, and the scans' per-token matrices Q', E, C
+  are stored in bf16 and multiplied with bf16 operands (fp32 accumulation, `_dot` with LOWP)
+  everywhere but in the recurrence A S itself;
+- one TF32 pass (`mm_tf32_if` with TF32) in the WY inverse, followed by a 3xTF32 Newton step
+  (wy_inverse_triton.py), and in every product of `_bwd_state` and `_bwd_kb` (see _Plan.tf32).
+Plain TF32 in the old nilpotent-product inverse overflowed a trained head (commit 18d7abb: that
+inverse lost 25% there in TF32); bf16 in W, G or the backward's products cost up to 4x the error
+there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
 operands (the 2.3 fp16 caveat). Under the interpreter, whose bf16 tl.dot is wrong and whose bf16 cast
-truncates, LOWP = 2 reproduces the same round-to-nearest operand rounding around fp32 products.
+truncates, LOWP = 2 reproduces the same round-to-nearest operand rounding around fp32 products, and
+TF32 = 2 truncates the operands of the one-pass TF32 products as the tensor cores read them.
 """
 
 import math
@@ -60,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.intra import mm_tf32_if
 from .wy_inverse_triton import unit_lower_inverse
 
 LOG2E = 1.4426950408889634
@@ -263,9 +272,23 @@ def _gate_cumsums(w, p_k, m_rk):
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _centred_here(w, p_k, m_rk, lower_bound, CENTRED: tl.constexpr):
+    """Whether this chunk takes the centred regime, for the kernels that hold both paths and branch at
+    run time: never without CENTRED (no usable bound: exact everywhere), else where the chunk's gates
+    keep the promise w >= lower_bound (the chunks that break it take the exact per-pair path at the
+    same chunk size)."""
+    if CENTRED:
+        return tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
+    else:
+        return False
+
+
+@triton.jit
 def _regime_selected(w, p_k, m_rk, lower_bound, MODE: tl.constexpr):
-    """MODE 0: every chunk (exact regime); 1: the chunks whose gates keep the promise w >= lower_bound
-    (centred); 2: the chunks that break it (exact per-pair fallback at the centred chunk size)."""
+    """For the kernels launched once per regime (`_bwd_q`, `_bwd_wy`: holding both paths in one program
+    made them 15-50% slower on an H100, from register spills), which chunks this launch takes. MODE 0:
+    every chunk (exact regime); 1: the chunks whose gates keep the promise w >= lower_bound (centred);
+    2: the chunks that break it (exact per-pair fallback at the centred chunk size)."""
     if MODE == 0:
         return True
     ok = tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
@@ -296,27 +319,28 @@ def _chunk_tile(cu_seqlens, chunk_info, H, K, BT: tl.constexpr, BK: tl.constexpr
 @triton.jit
 def _prepare_wy_kernel(
     w, k, a, b, cu_seqlens, chunk_info, lower_bound, Wm, Gm, Tm, Mak,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, STORE_BWD: tl.constexpr, PREC: tl.constexpr,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, TF32: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """One chunk and head, a side: M^ak, M^ab, the WY inverse Tm, W = Tm Â and G = Tm M^ak (and, for
     the backward, Tm and M^ak)."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
-        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-        if MODE == 1:
-            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            b_Mak, b_Mab = _centred_a_side(_load_rows(a + bk, p_k, m_rk) * e_a, _load_rows(k + bk, p_k, m_rk) * e_k,
-                                           _load_rows(b + bk, p_k, m_rk) * e_k, BT, PREC)
-        else:
-            b_Mak, b_Mab = _pairwise_a_side(_load_rows(a + bk, p_k, m_rk), _load_rows(k + bk, p_k, m_rk),
-                                            _load_rows(b + bk, p_k, m_rk), Gi, Ge, BT, PREC)
-        b_Tm = unit_lower_inverse(b_Mab, BT, PREC)
-        if STORE_BWD:
-            tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
-            tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
-        b_W = tl.dot(b_Tm, _load_rows(a + bk, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC)
-        tl.store(Wm + bk + p_k, b_W, mask=m_rk)
-        tl.store(Gm + bT + p_t, tl.dot(b_Tm, b_Mak, input_precision=PREC), mask=m_r)
+    centred = _centred_here(w + bk, p_k, m_rk, lower_bound, CENTRED)
+    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    if centred:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        b_Mak, b_Mab = _centred_a_side(_load_rows(a + bk, p_k, m_rk) * e_a, _load_rows(k + bk, p_k, m_rk) * e_k,
+                                       _load_rows(b + bk, p_k, m_rk) * e_k, BT, PREC)
+    else:
+        b_Mak, b_Mab = _pairwise_a_side(_load_rows(a + bk, p_k, m_rk), _load_rows(k + bk, p_k, m_rk),
+                                        _load_rows(b + bk, p_k, m_rk), Gi, Ge, BT, PREC)
+    b_Tm = unit_lower_inverse(b_Mab, BT, TF32, PREC)
+    if STORE_BWD:
+        tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
+        tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
+    b_W = tl.dot(b_Tm, _load_rows(a + bk, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC)
+    tl.store(Wm + bk + p_k, b_W, mask=m_rk)
+    tl.store(Gm + bT + p_t, tl.dot(b_Tm, b_Mak, input_precision=PREC), mask=m_r)
 
 
 @triton.jit
@@ -324,40 +348,40 @@ def _prepare_maps_kernel(
     q, w, k, b, cu_seqlens, chunk_info, scale, lower_bound, Wm, Gm,
     Qs, Es, Cs, As, Mqb,
     H, K, BT: tl.constexpr, BK: tl.constexpr,
-    MODE: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk and head, q side: M^qk, M^qb and, with the W and G of `_prepare_wy_kernel`, the four
     chunk matrices Q', E, A, C (and, for the backward, M^qb)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
-        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-        b_q = _load_rows(q + bk, p_k, m_rk) * scale
-        if MODE == 1:
-            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k + bk, p_k, m_rk) * e_k,
-                                           _load_rows(b + bk, p_k, m_rk) * e_k, BT, LOWP, PREC)
-        else:
-            b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi,
-                                            BT, PREC)
-        if STORE_BWD:
-            tl.store(Mqb + bT + p_t, b_Mqb, mask=m_r)
-        b_W = _load_rows(Wm + bk, p_k, m_rk)
-        b_G = _load_rows(Gm + bT, p_t, m_r)
-        b_Q = b_q * tl.exp2(Gi) + tl.dot(b_Mqb, b_W, input_precision=PREC)
-        tl.store(Qs + bk + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
-        b_E = b_Mqk + tl.dot(b_Mqb, b_G, input_precision=PREC)
-        tl.store(Es + bT + p_t, _cast(b_E, Es, LOWP), mask=m_r)
+    centred = _centred_here(w + bk, p_k, m_rk, lower_bound, CENTRED)
+    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    b_q = _load_rows(q + bk, p_k, m_rk) * scale
+    if centred:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k + bk, p_k, m_rk) * e_k,
+                                       _load_rows(b + bk, p_k, m_rk) * e_k, BT, LOWP, PREC)
+    else:
+        b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi,
+                                        BT, PREC)
+    if STORE_BWD:
+        tl.store(Mqb + bT + p_t, b_Mqb, mask=m_r)
+    b_W = _load_rows(Wm + bk, p_k, m_rk)
+    b_G = _load_rows(Gm + bT, p_t, m_r)
+    b_Q = b_q * tl.exp2(Gi) + tl.dot(b_Mqb, b_W, input_precision=PREC)
+    tl.store(Qs + bk + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
+    b_E = b_Mqk + tl.dot(b_Mqb, b_G, input_precision=PREC)
+    tl.store(Es + bT + p_t, _cast(b_E, Es, LOWP), mask=m_r)
 
-        e_L = tl.exp2(g_L[None, :] - Gi)
-        b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
-        b_C = _load_rows(k + bk, p_k, m_rk) * e_L + tl.dot(tl.trans(b_G), b_bt, input_precision=PREC)
-        tl.store(Cs + bk + p_k, _cast(b_C, Cs, LOWP), mask=m_rk)
-        o_kr = tl.arange(0, BK)[:, None]
-        o_kc = tl.arange(0, BK)[None, :]
-        b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + tl.dot(tl.trans(b_bt), b_W, input_precision=PREC)
-        tl.store(As + (i_c.to(tl.int64) * H + i_h) * K * K + o_kr * K + o_kc, b_A, mask=(o_kr < K) & (o_kc < K))
+    e_L = tl.exp2(g_L[None, :] - Gi)
+    b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
+    b_C = _load_rows(k + bk, p_k, m_rk) * e_L + tl.dot(tl.trans(b_G), b_bt, input_precision=PREC)
+    tl.store(Cs + bk + p_k, _cast(b_C, Cs, LOWP), mask=m_rk)
+    o_kr = tl.arange(0, BK)[:, None]
+    o_kc = tl.arange(0, BK)[None, :]
+    b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + tl.dot(tl.trans(b_bt), b_W, input_precision=PREC)
+    tl.store(As + (i_c.to(tl.int64) * H + i_h) * K * K + o_kr * K + o_kc, b_A, mask=(o_kr < K) & (o_kc < K))
 
 
 @triton.jit
@@ -519,9 +543,9 @@ def _bwd_q_kernel(
 
 @triton.jit
 def _bwd_state_kernel(
-    w, k, v, b, hs, dhs, Wm, Gm, cu_seqlens, chunk_info, lower_bound,
+    w, k, v, b, hs, dhs, Wm, Gm, cu_seqlens, chunk_info,
     dWb, dGb, dks, dbs, glast,
-    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk and head, state side: dA = dS S^T and dC = V dS^T (reductions over V), then through
     A = diag(e^Γ_L) + B̃^T W and C = K̃ + G^T B̃ to dB̃ = G dC + W dA^T, dW += B̃ dA and dG += B̃ dC^T
@@ -530,40 +554,39 @@ def _bwd_state_kernel(
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
-        rows = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        dA = tl.zeros([BK, BK], dtype=tl.float32)
-        dC = tl.zeros([BT, BK], dtype=tl.float32)
-        h_base = (i_c.to(tl.int64) * H + i_h) * K * V
-        bv = (t0 * H + i_h) * V
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = (o_v < V)[None, :]
-            s_off = o_k[:, None] * V + o_v[None, :]
-            S = tl.load(hs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
-            dS = tl.load(dhs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
-            p_v = (rows * H * V)[:, None] + o_v[None, :]
-            dA += tl.dot(dS, tl.trans(S), input_precision=PREC)
-            dC += tl.dot(_load_rows(v + bv, p_v, m_r & m_v), tl.trans(dS), input_precision=PREC)
-        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-        e_L = tl.exp2(g_L[None, :] - Gi)
-        dbt = tl.dot(_load_rows(Gm + bT, p_t, m_r), dC, input_precision=PREC) \
-            + tl.dot(_load_rows(Wm + bk, p_k, m_rk), tl.trans(dA), input_precision=PREC)
-        o_kr = tl.arange(0, BK)[:, None]
-        s_sum = tl.sum(tl.where(o_kr == o_k[None, :], dA, 0.0), 0)  # diag(dA) = rowsum(S^in * dS^out)
-        dk_s = dC * e_L
-        db_s = dbt * e_L
-        tl.store(dks + bk + p_k, dk_s, mask=m_rk)
-        tl.store(dbs + bk + p_k, db_s, mask=m_rk)
-        g_last = tl.exp2(g_L) * s_sum + tl.sum(_load_rows(k + bk, p_k, m_rk) * dk_s
-                                               + _load_rows(b + bk, p_k, m_rk) * db_s, 0)
-        tl.store(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_last, mask=o_k < K)
-        b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
-        dW = _load_rows(dWb + bk, p_k, m_rk) + tl.dot(b_bt, dA, input_precision=PREC)
-        tl.store(dWb + bk + p_k, dW, mask=m_rk)
-        dG = _load_rows(dGb + bT, p_t, m_r) + tl.dot(b_bt, tl.trans(dC), input_precision=PREC)
-        tl.store(dGb + bT + p_t, dG, mask=m_r)
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    dA = tl.zeros([BK, BK], dtype=tl.float32)
+    dC = tl.zeros([BT, BK], dtype=tl.float32)
+    h_base = (i_c.to(tl.int64) * H + i_h) * K * V
+    bv = (t0 * H + i_h) * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = (o_v < V)[None, :]
+        s_off = o_k[:, None] * V + o_v[None, :]
+        S = tl.load(hs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
+        dS = tl.load(dhs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
+        p_v = (rows * H * V)[:, None] + o_v[None, :]
+        dA += mm_tf32_if(dS, tl.trans(S), TF32, PREC)
+        dC += mm_tf32_if(_load_rows(v + bv, p_v, m_r & m_v), tl.trans(dS), TF32, PREC)
+    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    e_L = tl.exp2(g_L[None, :] - Gi)
+    dbt = mm_tf32_if(_load_rows(Gm + bT, p_t, m_r), dC, TF32, PREC) \
+        + mm_tf32_if(_load_rows(Wm + bk, p_k, m_rk), tl.trans(dA), TF32, PREC)
+    o_kr = tl.arange(0, BK)[:, None]
+    s_sum = tl.sum(tl.where(o_kr == o_k[None, :], dA, 0.0), 0)  # diag(dA) = rowsum(S^in * dS^out)
+    dk_s = dC * e_L
+    db_s = dbt * e_L
+    tl.store(dks + bk + p_k, dk_s, mask=m_rk)
+    tl.store(dbs + bk + p_k, db_s, mask=m_rk)
+    g_last = tl.exp2(g_L) * s_sum + tl.sum(_load_rows(k + bk, p_k, m_rk) * dk_s
+                                           + _load_rows(b + bk, p_k, m_rk) * db_s, 0)
+    tl.store(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_last, mask=o_k < K)
+    b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
+    dW = _load_rows(dWb + bk, p_k, m_rk) + mm_tf32_if(b_bt, dA, TF32, PREC)
+    tl.store(dWb + bk + p_k, dW, mask=m_rk)
+    dG = _load_rows(dGb + bT, p_t, m_r) + mm_tf32_if(b_bt, tl.trans(dC), TF32, PREC)
+    tl.store(dGb + bT + p_t, dG, mask=m_r)
 
 
 @triton.jit
@@ -609,44 +632,45 @@ def _bwd_wy_kernel(
 def _bwd_kb_kernel(
     q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale, lower_bound,
     dw, dk, db,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """One chunk and head, column side: dk = state part + dM^qk, dM^ak columns, db = state part + dM^qb,
     dM^ab columns, then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last, γ = q dq + a da - k dk - b db."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
-        rows = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        incl = rows[:, None] >= rows[None, :]
-        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-        dMqk = tl.where(incl, _load_rows(dEb + bT, p_t, m_r), 0.0)
-        dMqb = _load_rows(dMqbb + bT, p_t, m_r)
-        dMak = _load_rows(dMakb + bT, p_t, m_r)
-        dMab = _load_rows(dMabb + bT, p_t, m_r)
-        b_q = _load_rows(q + bk, p_k, m_rk) * scale
-        b_a = _load_rows(a + bk, p_k, m_rk)
-        if MODE == 1:
-            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            qc = b_q * e_q
-            ac = b_a * e_a
-            i_dk = (tl.dot(tl.trans(dMqk), qc, input_precision=PREC)
-                    + tl.dot(tl.trans(dMak), ac, input_precision=PREC)) * e_k
-            i_db = (tl.dot(tl.trans(dMqb), qc, input_precision=PREC)
-                    + tl.dot(tl.trans(dMab), ac, input_precision=PREC)) * e_k
-        else:
-            i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
-        b_dk = _load_rows(dks + bk, p_k, m_rk) + i_dk
-        b_db = _load_rows(dbs + bk, p_k, m_rk) + i_db
-        tl.store(dk + bk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
-        tl.store(db + bk + p_k, _cast(b_db, db, LOWP), mask=m_rk)
-        g_a = _load_rows(ga + bk, p_k, m_rk)
-        gam = _load_rows(gq + bk, p_k, m_rk) + g_a
-        gam -= _load_rows(k + bk, p_k, m_rk) * b_dk + _load_rows(b + bk, p_k, m_rk) * b_db
-        rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
-        g_last = tl.load(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
-        tl.store(dw + bk + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
+    centred = _centred_here(w + bk, p_k, m_rk, lower_bound, CENTRED)
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    incl = rows[:, None] >= rows[None, :]
+    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    dMqk = tl.where(incl, _load_rows(dEb + bT, p_t, m_r), 0.0)
+    dMqb = _load_rows(dMqbb + bT, p_t, m_r)
+    dMak = _load_rows(dMakb + bT, p_t, m_r)
+    dMab = _load_rows(dMabb + bT, p_t, m_r)
+    b_q = _load_rows(q + bk, p_k, m_rk) * scale
+    b_a = _load_rows(a + bk, p_k, m_rk)
+    if centred:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        qc = b_q * e_q
+        ac = b_a * e_a
+        i_dk = (mm_tf32_if(tl.trans(dMqk), qc, TF32, PREC)
+                + mm_tf32_if(tl.trans(dMak), ac, TF32, PREC)) * e_k
+        i_db = (mm_tf32_if(tl.trans(dMqb), qc, TF32, PREC)
+                + mm_tf32_if(tl.trans(dMab), ac, TF32, PREC)) * e_k
+    else:
+        i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
+    b_dk = _load_rows(dks + bk, p_k, m_rk) + i_dk
+    b_db = _load_rows(dbs + bk, p_k, m_rk) + i_db
+    tl.store(dk + bk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
+    tl.store(db + bk + p_k, _cast(b_db, db, LOWP), mask=m_rk)
+    g_a = _load_rows(ga + bk, p_k, m_rk)
+    gam = _load_rows(gq + bk, p_k, m_rk) + g_a
+    gam -= _load_rows(k + bk, p_k, m_rk) * b_dk + _load_rows(b + bk, p_k, m_rk) * b_db
+    rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
+    g_last = tl.load(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
+    tl.store(dw + bk + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -701,7 +725,8 @@ class _Plan:
         self.centred = bt_centred is not None
         self.BT = bt_centred if self.centred else 16
         self.lower_bound = float(gate_lower_bound) if self.centred else 0.0
-        # kernel modes (`_regime_selected`): the centred chunks, then the chunks that break the bound
+        # launches of `_bwd_q` and `_bwd_wy` (`_regime_selected`): the centred chunks, then those that break
+        # the bound; the other per-chunk kernels branch per chunk (`_centred_here`)
         self.modes = (1, 2) if self.centred else (0,)
         self.cu, self.chunk_info, self.chunk_offsets, self.N = _chunk_layout(B, T, self.BT, cu_seqlens, r.device)
         self.NT = self.chunk_info.shape[0]
@@ -722,6 +747,14 @@ class _Plan:
         # Q', E, C (the scans' per-token operands) in bf16 for bf16 inputs; states, A and the backward's
         # W, G, Tm, M^ak, M^qb stay fp32 (in bf16 those cost da and db 4x the error on the trained head)
         self.scan_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
+        # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) in the products of `_bwd_state` and `_bwd_kb`,
+        # whose errors stay in the chunk's dk, db, dw and never enter a recurrence, and in the WY inverse,
+        # which a Newton step then brings back to 3xTF32 accuracy. Trained head, first 512 tokens, interpreter
+        # with TF32 operand truncation, against fp64: dw 3.0e-3 -> 3.8e-3 (state) / 4.3e-3 (kb), the rest
+        # unchanged. The same pass cost too much in `_bwd_q` (dw 8.4e-3), `_bwd_wy` (dw 1.3e-2),
+        # `_prepare_maps` (o 5.4e-3), in G, M^ak of `_prepare_wy` (o 1.1e-2) and in M^ab, W, which make
+        # the state map A (o 6.8e-3 at T = 2048)
+        self.tf32 = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
 
 
 def _prepare(plan, q, w, k, a, b, scale, store_bwd):
@@ -737,19 +770,18 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd):
     if store_bwd:
         out.update(Tm=torch.empty(B, T, H, BT, **f32), Mak=torch.empty(B, T, H, BT, **f32),
                    Mqb=torch.empty(B, T, H, BT, **f32))
-    for mode in plan.modes:
-        _prepare_wy_kernel[(plan.NT, H)](
-            w, k, a, b, plan.cu, plan.chunk_info, plan.lower_bound,
-            out["Wm"], out["Gm"], out.get("Tm"), out.get("Mak"),
-            H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd, PREC=plan.prec,
-            num_warps=WARPS_CHUNK, num_stages=1,
-        )
-        _prepare_maps_kernel[(plan.NT, H)](
-            q, w, k, b, plan.cu, plan.chunk_info, scale, plan.lower_bound, out["Wm"], out["Gm"],
-            out["Qs"], out["Es"], out["Cs"], out["As"], out.get("Mqb"),
-            H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd, LOWP=plan.lowp,
-            PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
-        )
+    _prepare_wy_kernel[(plan.NT, H)](
+        w, k, a, b, plan.cu, plan.chunk_info, plan.lower_bound,
+        out["Wm"], out["Gm"], out.get("Tm"), out.get("Mak"),
+        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd, TF32=plan.tf32, PREC=plan.prec,
+        num_warps=WARPS_CHUNK, num_stages=1,
+    )
+    _prepare_maps_kernel[(plan.NT, H)](
+        q, w, k, b, plan.cu, plan.chunk_info, scale, plan.lower_bound, out["Wm"], out["Gm"],
+        out["Qs"], out["Es"], out["Cs"], out["As"], out.get("Mqb"),
+        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd, LOWP=plan.lowp,
+        PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
+    )
     return out
 
 
@@ -771,13 +803,14 @@ def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
         _bwd_q_kernel[grid](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu, plan.chunk_info, scale,
                             plan.lower_bound, dq, dEb, dMqbb, gq, dWb, dGb,
                             V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, **common)
-        _bwd_state_kernel[grid](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu,
-                                plan.chunk_info, plan.lower_bound, dWb, dGb, dks, dbs, glast,
-                                V=V, BV=plan.BV_bwd, MODE=mode, **common)
+    _bwd_state_kernel[grid](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu, plan.chunk_info,
+                            dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32, **common)
+    for mode in plan.modes:
         _bwd_wy_kernel[grid](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info, plan.lower_bound,
                              da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, **common)
-        _bwd_kb_kernel[grid](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
-                             plan.chunk_info, scale, plan.lower_bound, dw, dk, db, MODE=mode, LOWP=plan.lowp, **common)
+    _bwd_kb_kernel[grid](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
+                         plan.chunk_info, scale, plan.lower_bound, dw, dk, db, CENTRED=plan.centred, LOWP=plan.lowp,
+                         TF32=plan.tf32, **common)
     return dq, dw, dk, da, db
 
 

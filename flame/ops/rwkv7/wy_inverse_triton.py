@@ -1,11 +1,19 @@
 """The UT/WY inverse Tm = (I - L)^-1 of a strictly lower-triangular chunk matrix L, in fp32.
 
-No serial forward substitution: on each 16x16 diagonal block L_d is nilpotent (L_d^16 = 0), so
-    (I - L_d)^-1 = (I + L_d)(I + L_d^2)(I + L_d^4)(I + L_d^8)        (6 matrix products)
-Diagonal blocks are then merged 16 -> 32 -> 64 with the block-inverse rule: if D is the inverse of
-the block-diagonal part and L_o the strictly-below-diagonal blocks of one merge level, then
-    (I - L)^-1 = D + D L_o D
-because (I - L) = (I - L_d)(I - D L_o) and (D L_o)^2 = 0 within one merge level.
+No serial forward substitution: block merges on the tensor cores, from 1x1 blocks up. If D is the
+inverse of the block-diagonal part of one level (blocks of size s) and L_o the blocks of L just
+below D's blocks within each merged block of size 2s, then
+    (I - L)^-1 on the merged blocks = D + D L_o D
+because (I - L) = (I - L_d)(I - D L_o) and (D L_o)^2 = 0 within one merge level. log2(BT) levels of
+two products each, starting from D = I (the 1x1 blocks of I - L are 1).
+
+Why not the nilpotent product (I + L_d)(I + L_d^2)(I + L_d^4)(I + L_d^8) on 16x16 blocks (kernels.md
+2.2, fewer products): with the trained RWKV7-340M head's aligned kappa, |M^ab| reaches 0.82 and the
+powers grow binomially (|L_d^8| ~ 1e3) while the inverse stays <= 1, so their sum cancels: 1.5e-5
+relative error in 3xTF32 and 25% with one-pass TF32 products. Every factor of the merges is an
+inverse block or a block of L (both <= 1 there): 1e-7 in 3xTF32, 8e-4 in TF32, 7e-7 after the
+Newton step of `unit_lower_inverse` (tests/ops/test_rwkv7_triton.py).
+
 Every product is a tensor-core tl.dot on the whole [BT, BT] tile with block masks (selects), so
 BT in {16, 32, 64}. `unit_lower_inverse` is the @triton.jit helper the chunk kernels call;
 `unit_lower_inverse_triton` runs it on a batch of matrices (used by the accuracy tests).
@@ -15,47 +23,59 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.intra import mm_tf32_if
+
 
 @triton.jit
-def unit_lower_inverse(L, BT: tl.constexpr, PREC: tl.constexpr):
-    """(I - L)^-1 for a strictly lower-triangular fp32 [BT, BT] tile L (BT in 16, 32, 64)."""
+def _block_doubling_inverse(L, BT: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr):
+    """(I - L)^-1 by block merges from 1x1 blocks up, every product mm_tf32_if(TF32, PREC)."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    eye = tl.where(rows == cols, 1.0, 0.0)
-    Ld = tl.where((rows // 16) == (cols // 16), L, 0.0)
-    Tm = eye + Ld
-    Pw = tl.dot(Ld, Ld, input_precision=PREC)  # L^2
-    Tm = Tm + tl.dot(Tm, Pw, input_precision=PREC)
-    Pw = tl.dot(Pw, Pw, input_precision=PREC)  # L^4
-    Tm = Tm + tl.dot(Tm, Pw, input_precision=PREC)
-    Pw = tl.dot(Pw, Pw, input_precision=PREC)  # L^8
-    Tm = Tm + tl.dot(Tm, Pw, input_precision=PREC)
-    if BT > 16:
-        Lo = tl.where(((rows // 32) == (cols // 32)) & ((rows // 16) != (cols // 16)), L, 0.0)
-        Tm = Tm + tl.dot(tl.dot(Tm, Lo, input_precision=PREC), Tm, input_precision=PREC)
-    if BT > 32:
-        Lo = tl.where((rows // 32) != (cols // 32), L, 0.0)
-        Tm = Tm + tl.dot(tl.dot(Tm, Lo, input_precision=PREC), Tm, input_precision=PREC)
+    Tm = tl.where(rows == cols, 1.0, 0.0)
+    for lvl in tl.static_range(0, 7):
+        if (1 << lvl) < BT:
+            # the blocks of this level below the diagonal of their merged (twice as large) block
+            Lo = tl.where((rows // (2 << lvl) == cols // (2 << lvl)) & (rows // (1 << lvl) != cols // (1 << lvl)),
+                          L, 0.0)
+            Tm = Tm + mm_tf32_if(mm_tf32_if(Tm, Lo, TF32, PREC), Tm, TF32, PREC)
     return Tm
 
 
 @triton.jit
-def _unit_lower_inverse_kernel(L, Tm, BT: tl.constexpr, PREC: tl.constexpr):
+def unit_lower_inverse(L, BT: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr):
+    """(I - L)^-1 for a strictly lower-triangular fp32 [BT, BT] tile L (BT in 16, 32, 64).
+
+    TF32 0: every product at PREC (3xTF32). TF32 1 (2: emulated under the interpreter): the merges in
+    one TF32 pass, then one Newton step T1 = T0 + T0 R with the residual R = I - (I - L) T0 from one
+    PREC product: R is of the size of T0's TF32 error, so its one-pass product T0 R adds only that
+    error squared. At BT = 32: 14 passes of [BT, BT] products instead of 30."""
+    if TF32 == 0:
+        return _block_doubling_inverse(L, BT, 0, PREC)
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    T0 = _block_doubling_inverse(L, BT, TF32, PREC)
+    R = tl.where(rows == cols, 1.0, 0.0) - T0 + tl.dot(L, T0, input_precision=PREC)
+    return T0 + mm_tf32_if(T0, R, TF32, PREC)
+
+
+@triton.jit
+def _unit_lower_inverse_kernel(L, Tm, BT: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BT)[:, None] * BT + tl.arange(0, BT)[None, :]
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
     b_L = tl.load(L + i * BT * BT + offs)
     b_L = tl.where(rows > cols, b_L, 0.0)
-    tl.store(Tm + i * BT * BT + offs, unit_lower_inverse(b_L, BT, PREC))
+    tl.store(Tm + i * BT * BT + offs, unit_lower_inverse(b_L, BT, TF32, PREC))
 
 
-def unit_lower_inverse_triton(L: torch.Tensor, precision: str = "tf32x3") -> torch.Tensor:
-    """(I - strict_lower(L))^-1 for a batch L [..., BT, BT] (BT in 16, 32, 64), fp32."""
+def unit_lower_inverse_triton(L: torch.Tensor, precision: str = "tf32x3", tf32: int = 0) -> torch.Tensor:
+    """(I - strict_lower(L))^-1 for a batch L [..., BT, BT] (BT in 16, 32, 64), fp32; tf32 as TF32 in
+    `unit_lower_inverse` (0: products at `precision`; 1: TF32 and a Newton step; 2: 1 emulated)."""
     BT = L.shape[-1]
     if L.shape[-2] != BT or BT not in (16, 32, 64):
         raise ValueError(f"unit_lower_inverse_triton needs [..., BT, BT] with BT in 16/32/64, got {tuple(L.shape)}")
     Lf = L.reshape(-1, BT, BT).to(torch.float32).contiguous()
     out = torch.empty_like(Lf)
-    _unit_lower_inverse_kernel[(Lf.shape[0],)](Lf, out, BT=BT, PREC=precision)
+    _unit_lower_inverse_kernel[(Lf.shape[0],)](Lf, out, BT=BT, TF32=tf32, PREC=precision)
     return out.reshape(L.shape)

@@ -9,7 +9,7 @@ two products each, starting from D = I (the 1x1 blocks of I - L are 1).
 
 Why not the nilpotent product (I + L_d)(I + L_d^2)(I + L_d^4)(I + L_d^8) on 16x16 blocks (kernels.md
 2.2, fewer products): with the trained RWKV7-340M head's aligned kappa, |M^ab| reaches 0.82 and the
-powers grow binomially (|L_d^8| ~ 1e3) while the inverse stays <= 1, so their sum cancels: 1.5e-5
+powers grow binomially (|L_d^8| up to 6e2) while the inverse stays <= 1, so their sum cancels: 1.5e-5
 relative error in 3xTF32 and 25% with one-pass TF32 products. Every factor of the merges is an
 inverse block or a block of L (both <= 1 there): 1e-7 in 3xTF32, 8e-4 in TF32, 7e-7 after the
 Newton step of `unit_lower_inverse` (tests/ops/test_rwkv7_triton.py).

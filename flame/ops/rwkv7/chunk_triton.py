@@ -52,7 +52,8 @@ gradients and intermediates, except for bf16 inputs:
   are stored in bf16 and multiplied with bf16 operands (fp32 accumulation, `_dot` with LOWP)
   everywhere but in the recurrence A S itself;
 - one TF32 pass (`mm_tf32_if` with TF32) in the WY inverse, followed by a 3xTF32 Newton step
-  (wy_inverse_triton.py), and in every product of `_bwd_state` and `_bwd_kb` (see _Plan.tf32).
+  (wy_inverse_triton.py), in every product of `_bwd_state` and `_bwd_kb` and in the reductions over
+  V of `_bwd_q` (see _Plan.tf32).
 Plain TF32 in the old nilpotent-product inverse overflowed a trained head (commit 18d7abb: that
 inverse lost 25% there in TF32); bf16 in W, G or the backward's products cost up to 4x the error
 there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
@@ -495,7 +496,7 @@ def _bwd_q_kernel(
     q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, lower_bound,
     dq, dEb, dMqbb, gq, dWb, dGb,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr,
-    PREC: tl.constexpr,
+    TF32: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk and head, output side: dQ' = dO S^T and dE = dO V^T (reductions over V), then
     dM^qb = incl(dQ' W^T + dE G^T), the Q', E parts of dW = M^qb^T dQ' and dG = M^qb^T dE, dq (dQ̂ e^Γ +
@@ -518,8 +519,8 @@ def _bwd_q_kernel(
             S = tl.load(hs + h_base + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & m_v, other=0.0)
             p_v = (rows * H * V)[:, None] + o_v[None, :]
             b_do = _load_rows(do + bv, p_v, m_r & m_v)
-            dQ += tl.dot(b_do, tl.trans(S), input_precision=PREC)
-            dE += tl.dot(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), input_precision=PREC)
+            dQ += mm_tf32_if(b_do, tl.trans(S), TF32, PREC)
+            dE += mm_tf32_if(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), TF32, PREC)
         tl.store(dEb + bT + p_t, dE, mask=m_r)
         b_Mqb = _load_rows(Mqb + bT, p_t, m_r)
         tl.store(dWb + bk + p_k, tl.dot(tl.trans(b_Mqb), dQ, input_precision=PREC), mask=m_rk)
@@ -747,13 +748,14 @@ class _Plan:
         # Q', E, C (the scans' per-token operands) in bf16 for bf16 inputs; states, A and the backward's
         # W, G, Tm, M^ak, M^qb stay fp32 (in bf16 those cost da and db 4x the error on the trained head)
         self.scan_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
-        # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) in the products of `_bwd_state` and `_bwd_kb`,
-        # whose errors stay in the chunk's dk, db, dw and never enter a recurrence, and in the WY inverse,
-        # which a Newton step then brings back to 3xTF32 accuracy. Trained head, first 512 tokens, interpreter
-        # with TF32 operand truncation, against fp64: dw 3.0e-3 -> 3.8e-3 (state) / 4.3e-3 (kb), the rest
-        # unchanged. The same pass cost too much in `_bwd_q` (dw 8.4e-3), `_bwd_wy` (dw 1.3e-2),
-        # `_prepare_maps` (o 5.4e-3), in G, M^ak of `_prepare_wy` (o 1.1e-2) and in M^ab, W, which make
-        # the state map A (o 6.8e-3 at T = 2048)
+        # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) in the products of `_bwd_state` and `_bwd_kb`
+        # and in the reductions over V of `_bwd_q` (dQ' = dO S^T, dE = dO V^T), whose errors stay in the
+        # chunk's gradients and never enter a recurrence, and in the WY inverse, which a Newton step then
+        # brings back to 3xTF32 accuracy. Trained head, first 512 tokens, interpreter with TF32 operand
+        # truncation, against fp64: dw 3.0e-3 -> 3.8e-3 (state) / 4.3e-3 (kb), dQ', dE no change, the rest
+        # unchanged. The same pass cost too much in the rest of `_bwd_q` (dM^qb: dw 8.4e-3; dW, dG: db
+        # 3.5e-3), in `_bwd_wy` (dw 5.5e-3 to 2.4e-2 by product), in `_prepare_maps` (o 5.4e-3), in G, M^ak of
+        # `_prepare_wy` (o 1.1e-2) and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048)
         self.tf32 = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
 
 
@@ -802,7 +804,7 @@ def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
     for mode in plan.modes:
         _bwd_q_kernel[grid](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu, plan.chunk_info, scale,
                             plan.lower_bound, dq, dEb, dMqbb, gq, dWb, dGb,
-                            V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, **common)
+                            V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, **common)
     _bwd_state_kernel[grid](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu, plan.chunk_info,
                             dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32, **common)
     for mode in plan.modes:

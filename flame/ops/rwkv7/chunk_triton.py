@@ -273,13 +273,19 @@ def _gate_cumsums(w, p_k, m_rk):
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _gates_keep_bound(w, p_k, m_rk, lower_bound):
+    """Whether every gate of the chunk is >= lower_bound (the promise of the centred regime)."""
+    return tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
+
+
+@triton.jit
 def _centred_here(w, p_k, m_rk, lower_bound, CENTRED: tl.constexpr):
     """Whether this chunk takes the centred regime, for the kernels that hold both paths and branch at
     run time: never without CENTRED (no usable bound: exact everywhere), else where the chunk's gates
     keep the promise w >= lower_bound (the chunks that break it take the exact per-pair path at the
     same chunk size)."""
     if CENTRED:
-        return tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
+        return _gates_keep_bound(w, p_k, m_rk, lower_bound)
     else:
         return False
 
@@ -292,7 +298,7 @@ def _regime_selected(w, p_k, m_rk, lower_bound, MODE: tl.constexpr):
     2: the chunks that break it (exact per-pair fallback at the centred chunk size)."""
     if MODE == 0:
         return True
-    ok = tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
+    ok = _gates_keep_bound(w, p_k, m_rk, lower_bound)
     if MODE == 1:
         return ok
     return ok == 0

@@ -498,6 +498,18 @@ def _scan_bwd_kernel(
 
 
 @triton.jit
+def _v_block(i_v, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Block i_v of V in the backward's reductions over V: the [BK, BV] offsets and mask of a state tile
+    (from its chunk's base), and the [BT, BV] row offsets of V-wide tensors (from the chunk's first row)
+    and the column mask [1, BV]."""
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = (o_v < V)[None, :]
+    return o_k[:, None] * V + o_v[None, :], (o_k < K)[:, None] & m_v, (rows * H * V)[:, None] + o_v[None, :], m_v
+
+
+@triton.jit
 def _bwd_q_kernel(
     q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, lower_bound,
     dq, dEb, dMqbb, gq, dWb, dGb,
@@ -513,17 +525,14 @@ def _bwd_q_kernel(
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
     if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
         rows = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
         incl = rows[:, None] >= rows[None, :]
         dQ = tl.zeros([BT, BK], dtype=tl.float32)
         dE = tl.zeros([BT, BT], dtype=tl.float32)
         h_base = (i_c.to(tl.int64) * H + i_h) * K * V
         bv = (t0 * H + i_h) * V
         for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = (o_v < V)[None, :]
-            S = tl.load(hs + h_base + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & m_v, other=0.0)
-            p_v = (rows * H * V)[:, None] + o_v[None, :]
+            s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
+            S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
             b_do = _load_rows(do + bv, p_v, m_r & m_v)
             dQ += mm_tf32_if(b_do, tl.trans(S), TF32, PREC)
             dE += mm_tf32_if(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), TF32, PREC)
@@ -561,19 +570,15 @@ def _bwd_state_kernel(
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     dA = tl.zeros([BK, BK], dtype=tl.float32)
     dC = tl.zeros([BT, BK], dtype=tl.float32)
     h_base = (i_c.to(tl.int64) * H + i_h) * K * V
     bv = (t0 * H + i_h) * V
     for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = (o_v < V)[None, :]
-        s_off = o_k[:, None] * V + o_v[None, :]
-        S = tl.load(hs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
-        dS = tl.load(dhs + h_base + s_off, mask=(o_k < K)[:, None] & m_v, other=0.0)
-        p_v = (rows * H * V)[:, None] + o_v[None, :]
+        s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
+        S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
+        dS = tl.load(dhs + h_base + s_off, mask=m_s, other=0.0)
         dA += mm_tf32_if(dS, tl.trans(S), TF32, PREC)
         dC += mm_tf32_if(_load_rows(v + bv, p_v, m_r & m_v), tl.trans(dS), TF32, PREC)
     Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)

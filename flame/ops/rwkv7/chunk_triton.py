@@ -767,7 +767,7 @@ class _Plan:
         # unchanged. The same pass cost too much in the rest of `_bwd_q` (dM^qb: dw 8.4e-3; dW, dG: db
         # 3.5e-3), in `_bwd_wy` (dw 5.5e-3 to 2.4e-2 by product), in `_prepare_maps` (o 5.4e-3), in G, M^ak of
         # `_prepare_wy` (o 1.1e-2) and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048)
-        self.tf32 = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
+        self.tf32 = self.lowp  # the same switch: bf16 inputs, 1 on a GPU, 2 emulated under the interpreter
 
 
 def _prepare(plan, q, w, k, a, b, scale, store_bwd):
@@ -887,7 +887,7 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     1600 bytes per token and head (0.84 GB per layer at B16 T2048 H16), held from the forward to the
     backward: ~20 GB over rwkv7_340M's 24 layers at its batch of 16 without activation checkpointing,
     which an 80 GB GPU does not have to spare. Off: the backward recomputes them (the two `_prepare`
-    kernels once more; fwd+bwd 4.56 ms against 3.65 cached at B8 T2048 H16 K64 bf16 on the H100).
+    kernels once more; fwd+bwd 4.49 ms against 3.55 cached at B8 T2048 H16 K64 bf16 on the H100).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

@@ -52,15 +52,43 @@ def mm_tf32(a, b, DT: tl.constexpr):
 
 
 @triton.jit
+def round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32: the GPU's fp32 -> bf16
+    conversion, also under the interpreter (whose bf16 cast truncates)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mm_prec(a, b, PREC: tl.constexpr):
+    """a @ b for fp32 operands, fp32 accumulation, at tl.dot's input_precision PREC ("ieee", "tf32",
+    "tf32x3" or "bf16x3"). "bf16x3" (Triton's split of each operand into a bf16 high part and a bf16
+    low part, products hi hi + hi lo + lo hi on the bf16 tensor cores: ~16 mantissa bits, fp32 range)
+    is emulated under the interpreter, which lacks it, with the same splits and fp32 products."""
+    if PREC == "bf16x3":
+        if INTERPRET:
+            a_hi = round_to_bf16(a)
+            b_hi = round_to_bf16(b)
+            lo = tl.dot(round_to_bf16(a - a_hi), b_hi, input_precision="ieee") \
+                + tl.dot(a_hi, round_to_bf16(b - b_hi), input_precision="ieee")
+            return tl.dot(a_hi, b_hi, input_precision="ieee") + lo
+        else:
+            return tl.dot(a, b, input_precision="bf16x3")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def mm_tf32_if(a, b, TF32: tl.constexpr, PREC: tl.constexpr):
     """a @ b for fp32 operands, fp32 accumulation: one TF32 pass where TF32 is 1 (2: the same under the
-    interpreter, by truncating the operands), input_precision PREC (e.g. "tf32x3") where it is 0."""
+    interpreter, by truncating the operands), `mm_prec` with PREC (e.g. "tf32x3") where it is 0."""
     if TF32 == 1:
         return tl.dot(a, b, input_precision="tf32")
     elif TF32 == 2:
         return tl.dot(truncate_to_tf32(a), truncate_to_tf32(b), input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=PREC)
+        return mm_prec(a, b, PREC)
 
 
 @triton.jit

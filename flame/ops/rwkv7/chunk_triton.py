@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.intra import mm_tf32_if
+from ..common.intra import mm_prec, mm_tf32_if, round_to_bf16
 from .wy_inverse_triton import unit_lower_inverse
 
 LOG2E = 1.4426950408889634
@@ -104,19 +104,11 @@ def centred_chunk_size(gate_lower_bound) -> int | None:
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bf16_rn(x):
-    """fp32 x rounded to the nearest bf16 value, kept in fp32 (the interpreter's bf16 cast truncates)."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _cast(x, ptr, LOWP: tl.constexpr):
     """x in the element type of ptr (rounded to nearest also under the interpreter)."""
     if LOWP == 2:
         if ptr.dtype.element_ty == tl.bfloat16:
-            x = _bf16_rn(x)
+            x = round_to_bf16(x)
     return x.to(ptr.dtype.element_ty)
 
 
@@ -128,8 +120,8 @@ def _dot(x, y, LOWP: tl.constexpr, PREC: tl.constexpr):
     if LOWP == 1:
         return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
     if LOWP == 2:
-        return tl.dot(_bf16_rn(x), _bf16_rn(y), input_precision=PREC)
-    return tl.dot(x, y, input_precision=PREC)
+        return tl.dot(round_to_bf16(x), round_to_bf16(y), input_precision="ieee")
+    return mm_prec(x, y, PREC)
 
 
 @triton.jit
@@ -153,8 +145,8 @@ def _pairwise_a_side(a, k, b, Gi, Ge, BT: tl.constexpr, PREC: tl.constexpr):
     for j in range(0, BT):
         strict = rows > j
         ae = a * tl.exp2(tl.where(strict, Ge - _row_of(Gi, j, BT), 0.0))
-        Mak += tl.where(strict, tl.dot(ae, tl.trans(tl.where(rows == j, k, 0.0)), input_precision=PREC), 0.0)
-        Mab += tl.where(strict, tl.dot(ae, tl.trans(tl.where(rows == j, b, 0.0)), input_precision=PREC), 0.0)
+        Mak += tl.where(strict, mm_prec(ae, tl.trans(tl.where(rows == j, k, 0.0)), PREC), 0.0)
+        Mab += tl.where(strict, mm_prec(ae, tl.trans(tl.where(rows == j, b, 0.0)), PREC), 0.0)
     return Mak, Mab
 
 
@@ -167,8 +159,8 @@ def _pairwise_q_side(q, k, b, Gi, BT: tl.constexpr, PREC: tl.constexpr):
     for j in range(0, BT):
         incl = rows >= j
         qe = q * tl.exp2(tl.where(incl, Gi - _row_of(Gi, j, BT), 0.0))
-        Mqk += tl.where(incl, tl.dot(qe, tl.trans(tl.where(rows == j, k, 0.0)), input_precision=PREC), 0.0)
-        Mqb += tl.where(incl, tl.dot(qe, tl.trans(tl.where(rows == j, b, 0.0)), input_precision=PREC), 0.0)
+        Mqk += tl.where(incl, mm_prec(qe, tl.trans(tl.where(rows == j, k, 0.0)), PREC), 0.0)
+        Mqb += tl.where(incl, mm_prec(qe, tl.trans(tl.where(rows == j, b, 0.0)), PREC), 0.0)
     return Mqk, Mqb
 
 
@@ -191,7 +183,7 @@ def _pairwise_rows_bwd(dM1, x1, dM2, x2, Gr, Gi, STRICT: tl.constexpr, BT: tl.co
         x2_j = tl.where(rows == j, x2, 0.0)
         d1 = tl.where(cols == j, dM1, 0.0)
         d2 = tl.where(cols == j, dM2, 0.0)
-        out += (tl.dot(d1, x1_j, input_precision=PREC) + tl.dot(d2, x2_j, input_precision=PREC)) * e
+        out += (mm_prec(d1, x1_j, PREC) + mm_prec(d2, x2_j, PREC)) * e
     return out
 
 
@@ -212,8 +204,8 @@ def _pairwise_cols_bwd(q, a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT: tl.constexpr, B
         d_ak = tl.where(cols == j, dMak, 0.0)
         d_qb = tl.where(cols == j, dMqb, 0.0)
         d_ab = tl.where(cols == j, dMab, 0.0)
-        dk += tl.dot(tl.trans(d_qk), qe, input_precision=PREC) + tl.dot(tl.trans(d_ak), ae, input_precision=PREC)
-        db += tl.dot(tl.trans(d_qb), qe, input_precision=PREC) + tl.dot(tl.trans(d_ab), ae, input_precision=PREC)
+        dk += mm_prec(tl.trans(d_qk), qe, PREC) + mm_prec(tl.trans(d_ak), ae, PREC)
+        db += mm_prec(tl.trans(d_qb), qe, PREC) + mm_prec(tl.trans(d_ab), ae, PREC)
     return dk, db
 
 
@@ -230,8 +222,8 @@ def _centred_a_side(ac, kc, bc, BT: tl.constexpr, PREC: tl.constexpr):
     """M^ak, M^ab from the centred factors (fp32 operands: they feed the inverse)."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    Mak = tl.where(rows > cols, tl.dot(ac, tl.trans(kc), input_precision=PREC), 0.0)
-    Mab = tl.where(rows > cols, tl.dot(ac, tl.trans(bc), input_precision=PREC), 0.0)
+    Mak = tl.where(rows > cols, mm_prec(ac, tl.trans(kc), PREC), 0.0)
+    Mab = tl.where(rows > cols, mm_prec(ac, tl.trans(bc), PREC), 0.0)
     return Mak, Mab
 
 
@@ -345,9 +337,9 @@ def _prepare_wy_kernel(
     if STORE_BWD:
         tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
         tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
-    b_W = tl.dot(b_Tm, _load_rows(a + bk, p_k, m_rk) * tl.exp2(Ge), input_precision=PREC)
+    b_W = mm_prec(b_Tm, _load_rows(a + bk, p_k, m_rk) * tl.exp2(Ge), PREC)
     tl.store(Wm + bk + p_k, b_W, mask=m_rk)
-    tl.store(Gm + bT + p_t, tl.dot(b_Tm, b_Mak, input_precision=PREC), mask=m_r)
+    tl.store(Gm + bT + p_t, mm_prec(b_Tm, b_Mak, PREC), mask=m_r)
 
 
 @triton.jit
@@ -376,18 +368,18 @@ def _prepare_maps_kernel(
         tl.store(Mqb + bT + p_t, b_Mqb, mask=m_r)
     b_W = _load_rows(Wm + bk, p_k, m_rk)
     b_G = _load_rows(Gm + bT, p_t, m_r)
-    b_Q = b_q * tl.exp2(Gi) + tl.dot(b_Mqb, b_W, input_precision=PREC)
+    b_Q = b_q * tl.exp2(Gi) + mm_prec(b_Mqb, b_W, PREC)
     tl.store(Qs + bk + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
-    b_E = b_Mqk + tl.dot(b_Mqb, b_G, input_precision=PREC)
+    b_E = b_Mqk + mm_prec(b_Mqb, b_G, PREC)
     tl.store(Es + bT + p_t, _cast(b_E, Es, LOWP), mask=m_r)
 
     e_L = tl.exp2(g_L[None, :] - Gi)
     b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
-    b_C = _load_rows(k + bk, p_k, m_rk) * e_L + tl.dot(tl.trans(b_G), b_bt, input_precision=PREC)
+    b_C = _load_rows(k + bk, p_k, m_rk) * e_L + mm_prec(tl.trans(b_G), b_bt, PREC)
     tl.store(Cs + bk + p_k, _cast(b_C, Cs, LOWP), mask=m_rk)
     o_kr = tl.arange(0, BK)[:, None]
     o_kc = tl.arange(0, BK)[None, :]
-    b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + tl.dot(tl.trans(b_bt), b_W, input_precision=PREC)
+    b_A = tl.where(o_kr == o_kc, tl.exp2(g_L)[None, :], 0.0) + mm_prec(tl.trans(b_bt), b_W, PREC)
     tl.store(As + (i_c.to(tl.int64) * H + i_h) * K * K + o_kr * K + o_kc, b_A, mask=(o_kr < K) & (o_kc < K))
 
 
@@ -442,7 +434,7 @@ def _scan_fwd_kernel(
         b_Q, b_E, b_C, b_A = _load_chunk_maps(Qs, Es, Cs, As, t0, c0 + i_t, i_h, H, K, BT, p_k0, p_t0, a_off, m_r, m_k)
         b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
         tl.store(o + bv + p_v0, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
-        S = tl.dot(b_A, S, input_precision=PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
+        S = mm_prec(b_A, S, PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
 
@@ -492,7 +484,7 @@ def _scan_bwd_kernel(
         b_Q, b_E, b_C, b_A = _load_chunk_maps(Qs, Es, Cs, As, t0, c0 + i_t, i_h, H, K, BT, p_k0, p_t0, a_off, m_r, m_k)
         b_dv = _dot(tl.trans(b_E), b_do, LOWP, PREC) + _dot(b_C, dS, LOWP, PREC)
         tl.store(dv + bv + p_v0, _cast(b_dv, dv, LOWP), mask=m_r & m_v[None, :])
-        dS = tl.dot(tl.trans(b_A), dS, input_precision=PREC) + _dot(tl.trans(b_Q), b_do, LOWP, PREC)
+        dS = mm_prec(tl.trans(b_A), dS, PREC) + _dot(tl.trans(b_Q), b_do, LOWP, PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
 
@@ -538,17 +530,17 @@ def _bwd_q_kernel(
             dE += mm_tf32_if(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), TF32, PREC)
         tl.store(dEb + bT + p_t, dE, mask=m_r)
         b_Mqb = _load_rows(Mqb + bT, p_t, m_r)
-        tl.store(dWb + bk + p_k, tl.dot(tl.trans(b_Mqb), dQ, input_precision=PREC), mask=m_rk)
-        tl.store(dGb + bT + p_t, tl.dot(tl.trans(b_Mqb), dE, input_precision=PREC), mask=m_r)
-        dMqb = tl.where(incl, tl.dot(dQ, tl.trans(_load_rows(Wm + bk, p_k, m_rk)), input_precision=PREC)
-                        + tl.dot(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), input_precision=PREC), 0.0)
+        tl.store(dWb + bk + p_k, mm_prec(tl.trans(b_Mqb), dQ, PREC), mask=m_rk)
+        tl.store(dGb + bT + p_t, mm_prec(tl.trans(b_Mqb), dE, PREC), mask=m_r)
+        dMqb = tl.where(incl, mm_prec(dQ, tl.trans(_load_rows(Wm + bk, p_k, m_rk)), PREC)
+                        + mm_prec(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), PREC), 0.0)
         tl.store(dMqbb + bT + p_t, dMqb, mask=m_r)
         dMqk = tl.where(incl, dE, 0.0)
         Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
         if MODE == 1:
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            i_dq = (tl.dot(dMqk, _load_rows(k + bk, p_k, m_rk) * e_k, input_precision=PREC)
-                    + tl.dot(dMqb, _load_rows(b + bk, p_k, m_rk) * e_k, input_precision=PREC)) * e_q
+            i_dq = (mm_prec(dMqk, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
+                    + mm_prec(dMqb, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_q
         else:
             i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k + bk, p_k, m_rk), dMqb, _load_rows(b + bk, p_k, m_rk), Gi, Gi,
                                       False, BT, BK, PREC)
@@ -620,18 +612,18 @@ def _bwd_wy_kernel(
         dW = _load_rows(dWb + bk, p_k, m_rk)
         e_Ge = tl.exp2(Ge)
         b_a = _load_rows(a + bk, p_k, m_rk)
-        dTm = tl.dot(dG, tl.trans(_load_rows(Mak + bT, p_t, m_r)), input_precision=PREC) \
-            + tl.dot(dW, tl.trans(b_a * e_Ge), input_precision=PREC)
-        dMak = tl.where(strict, tl.dot(tl.trans(b_Tm), dG, input_precision=PREC), 0.0)
+        dTm = mm_prec(dG, tl.trans(_load_rows(Mak + bT, p_t, m_r)), PREC) \
+            + mm_prec(dW, tl.trans(b_a * e_Ge), PREC)
+        dMak = tl.where(strict, mm_prec(tl.trans(b_Tm), dG, PREC), 0.0)
         tl.store(dMakb + bT + p_t, dMak, mask=m_r)
-        dAh = tl.dot(tl.trans(b_Tm), dW, input_precision=PREC)
-        dMab = tl.dot(tl.dot(tl.trans(b_Tm), dTm, input_precision=PREC), tl.trans(b_Tm), input_precision=PREC)
+        dAh = mm_prec(tl.trans(b_Tm), dW, PREC)
+        dMab = mm_prec(mm_prec(tl.trans(b_Tm), dTm, PREC), tl.trans(b_Tm), PREC)
         dMab = tl.where(strict, dMab, 0.0)
         tl.store(dMabb + bT + p_t, dMab, mask=m_r)
         if MODE == 1:
             e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            i_da = (tl.dot(dMak, _load_rows(k + bk, p_k, m_rk) * e_k, input_precision=PREC)
-                    + tl.dot(dMab, _load_rows(b + bk, p_k, m_rk) * e_k, input_precision=PREC)) * e_a
+            i_da = (mm_prec(dMak, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
+                    + mm_prec(dMab, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_a
         else:
             i_da = _pairwise_rows_bwd(dMak, _load_rows(k + bk, p_k, m_rk), dMab, _load_rows(b + bk, p_k, m_rk), Ge, Gi,
                                       True, BT, BK, PREC)
@@ -748,11 +740,25 @@ class _Plan:
         # the scans prefetch the next chunk's matrices (2 stages) where shared memory allows
         self.scan_stages = 2 if self.BK <= 64 else 1
         interp = _interpreting()
-        # fp32-accurate products (3xTF32) for every input dtype: with plain TF32 the nilpotent-product
-        # inverse and the state scan lost so much that a trained RWKV7-340M head (bf16, T = 2048, slow
+        # the scans' state recurrence A S: fp32-accurate (3xTF32) for every input dtype. With plain TF32
+        # there (and in the old nilpotent-product inverse) a trained RWKV7-340M head (bf16, T = 2048, slow
         # decays, aligned kappa) overflowed to inf by chunk 29 on the H100 (commit 18d7abb,
         # tests/ops/test_rwkv7_bf16_trained_head.py)
-        self.prec = "tf32x3"
+        self.prec_state = "tf32x3"
+        # the per-chunk kernels' fp32-operand products: 3xTF32 for fp32 inputs; bf16x3 for 16-bit inputs
+        # (`mm_prec`: ~16 mantissa bits, 2^-16 per product, where one TF32 pass has 2^-11 and 3xTF32
+        # 2^-21; half the tensor-core work of 3xTF32 and half its operand registers). H100, B8 T2048 H16
+        # K64 bf16: fwd+bwd 4.45 -> 3.85 ms, with the trained head's errors against fp64 unchanged to
+        # two digits (o 2.64e-3, dw 2.97e-3 -> 2.89e-3; session 6, call 1)
+        self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
+        # register caps (ptxas maxnreg) of the per-chunk kernels at head dims <= 64, where they run at 2
+        # programs per SM with 255 registers: 168 lets `_prepare_wy`, `_bwd_q` and `_bwd_state` run 3 per SM
+        # and spill a little, 12-17% faster each on the H100; it slowed the others (session 6, call 1)
+        self.maxnreg = 168 if self.BK <= 64 else None
+        # `_bwd_q` and `_bwd_state` loop over V blocks: 2 pipeline stages (prefetch the next block's S, dO, V)
+        # made them 11% and 5% faster there (H100, session 6, call 2); 1 stage at larger head dims, whose
+        # tiles already fill shared memory
+        self.bwd_stages = 2 if self.BK <= 64 else 1
         # bf16 operands (fp32 accumulation) for the products outside the state recurrence, the a-side
         # intra products and the WY inverse and backward (`_dot`; emulated under the interpreter)
         self.lowp = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
@@ -787,7 +793,7 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd):
         w, k, a, b, plan.cu, plan.chunk_info, plan.lower_bound,
         out["Wm"], out["Gm"], out.get("Tm"), out.get("Mak"),
         H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd, TF32=plan.tf32, PREC=plan.prec,
-        num_warps=WARPS_CHUNK, num_stages=1,
+        num_warps=WARPS_CHUNK, num_stages=1, maxnreg=plan.maxnreg,
     )
     _prepare_maps_kernel[(plan.NT, H)](
         q, w, k, b, plan.cu, plan.chunk_info, scale, plan.lower_bound, out["Wm"], out["Gm"],
@@ -811,19 +817,21 @@ def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
     glast = torch.empty(plan.NT, H, K, **f32)
     dq, dw, dk, da, db = (torch.empty_like(x) for x in (q, w, k, a, b))
     grid = (plan.NT, H)
-    common = dict(H=H, K=K, BT=BT, BK=plan.BK, PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1)
+    common = dict(H=H, K=K, BT=BT, BK=plan.BK, PREC=plan.prec, num_warps=WARPS_CHUNK)
     for mode in plan.modes:
         _bwd_q_kernel[grid](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu, plan.chunk_info, scale,
                             plan.lower_bound, dq, dEb, dMqbb, gq, dWb, dGb,
-                            V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, **common)
+                            V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, maxnreg=plan.maxnreg,
+                            num_stages=plan.bwd_stages, **common)
     _bwd_state_kernel[grid](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu, plan.chunk_info,
-                            dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32, **common)
+                            dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32,
+                            maxnreg=plan.maxnreg, num_stages=plan.bwd_stages, **common)
     for mode in plan.modes:
         _bwd_wy_kernel[grid](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info, plan.lower_bound,
-                             da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, **common)
+                             da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, num_stages=1, **common)
     _bwd_kb_kernel[grid](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
                          plan.chunk_info, scale, plan.lower_bound, dw, dk, db, CENTRED=plan.centred, LOWP=plan.lowp,
-                         TF32=plan.tf32, **common)
+                         TF32=plan.tf32, num_stages=1, **common)
     return dq, dw, dk, da, db
 
 
@@ -844,7 +852,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
         _scan_fwd_kernel[(plan.N * H, plan.NV)](
             v, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=need_grad,
-            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
+            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
         )
         if need_grad:
             ctx.save_for_backward(r, w, k, v, a, b, hs)
@@ -869,7 +877,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
             do, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], dht.contiguous() if dht is not None else None,
             dhs, dh0, dv, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=ctx.has_h0,
-            LOWP=plan.lowp, PREC=plan.prec, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
+            LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
         )
         dr, dw, dk, da, db = _chunk_bwd(plan, pre, r, w, k, v, a, b, do, hs, dhs, scale)
         return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None

@@ -9,8 +9,10 @@ every factor is an exp2 of a non-positive number) and Γ̄ the exclusive one:
     O = Q̂ S^in + M^qk V + M^qb P,  S^out = e^{Γ_L} S^in + K̃^T V + B̃^T P
 
 A chunk is therefore one linear map of (S^in, V) with four per-chunk matrices that do not depend on
-the state, which `_prepare` computes in parallel over all chunks, in two kernels (`_prepare_wy`:
-M^ak, M^ab, Tm, W, G; `_prepare_maps`: M^qk, M^qb and the four maps):
+the state, which `_prepare` computes in parallel over all chunks, in one kernel (`_prepare_kernel`:
+M^ak, M^ab, Tm, W, G, then M^qk, M^qb and the four maps; W and G stay in registers unless the
+backward needs them, which made the forward 9% faster than two kernels passing them through global
+memory, session 6):
 
     O     = Q' S^in + E V          Q' = Q̂ + M^qb W            [BT, K]
     S^out = A S^in + C^T V         E  = M^qk + M^qb G          [BT, BT]
@@ -38,28 +40,32 @@ Intra regimes (kernels.md 2.3):
 - centred tensor-core factorisation around the middle row m: taken only when the caller gives a
   gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124 (BT <= 32 in
   any case: [32, 64] tiles cost 16 registers per thread at 4 warps, [64, 64] ones 32), and then
-  only for chunks whose gates really are >= lb, checked inside the kernels per chunk, with no host
-  sync; the chunks that break the promise take the exact per-pair path at the same chunk size.
-  `_prepare_wy`, `_prepare_maps` and `_bwd_kb` branch per program at run time (`_centred_here`);
-  `_bwd_q` and `_bwd_wy`, which spill more with both paths and ran 15-50% slower that way, launch
-  twice instead, each launch skipping the chunks of the other regime (`_regime_selected`); `_bwd_state`
-  and the scans do not depend on the regime. (A second launch costs ~40 us on an H100 even when no
-  chunk breaks the bound: 0.3 ms of a 4.8 ms forward+backward with second launches everywhere.)
+  only for chunks whose gates really are >= lb, checked per chunk by `_prepare_kernel` on the chunk's
+  own gates, with no host sync, and recorded (int8 per chunk and head) for the backward, so both
+  passes take the same regime; the chunks that break the promise take the exact per-pair path at the
+  same chunk size. `_prepare` and `_bwd_kb` branch per program at run time; `_bwd_q` and `_bwd_wy`,
+  which spill more with both paths and ran 15-50% slower that way, launch twice instead, each launch
+  skipping the chunks of the other regime (`_regime_selected`: one byte per program, where reading the
+  chunk's gates cost ~35 us per launch); `_bwd_state` and the scans do not depend on the regime.
 
-Precision: every product is fp32-accurate (3xTF32), with fp32 decay cumsums, states, state
-gradients and intermediates, except for bf16 inputs:
+Precision: fp32 decay cumsums, states, state gradients and intermediates everywhere. Products with
+fp32 operands are 3xTF32 (fp32-accurate) for fp32 inputs and in the scans' state recurrence A S; for
+16-bit inputs the per-chunk kernels run them in bf16x3 (`mm_prec`, ~2^-16 per product: half the work
+and operand registers of 3xTF32, and no change in the trained head's errors, see _Plan.prec). And for
+bf16 inputs:
 - the q-side intra products M^qk, M^qb take bf16 operands, and the scans' per-token matrices Q', E, C
   are stored in bf16 and multiplied with bf16 operands (fp32 accumulation, `_dot` with LOWP)
   everywhere but in the recurrence A S itself;
-- one TF32 pass (`mm_tf32_if` with TF32) in the WY inverse, followed by a 3xTF32 Newton step
+- one TF32 pass (`mm_tf32_if` with TF32) in the WY inverse, followed by a Newton step
   (wy_inverse_triton.py), in every product of `_bwd_state` and `_bwd_kb` and in the reductions over
   V of `_bwd_q` (see _Plan.tf32).
 Plain TF32 in the old nilpotent-product inverse overflowed a trained head (commit 18d7abb: that
 inverse lost 25% there in TF32); bf16 in W, G or the backward's products cost up to 4x the error
 there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
-operands (the 2.3 fp16 caveat). Under the interpreter, whose bf16 tl.dot is wrong and whose bf16 cast
-truncates, LOWP = 2 reproduces the same round-to-nearest operand rounding around fp32 products, and
-TF32 = 2 truncates the operands of the one-pass TF32 products as the tensor cores read them.
+operands (the 2.3 fp16 caveat; bf16x3 has fp32's exponent range). Under the interpreter, whose bf16
+tl.dot is wrong and whose bf16 cast truncates, LOWP = 2 reproduces the same round-to-nearest operand
+rounding around fp32 products, TF32 = 2 truncates the operands of the one-pass TF32 products as the
+tensor cores read them, and `mm_prec` emulates bf16x3 with the same operand splits.
 """
 
 import math
@@ -265,32 +271,37 @@ def _gate_cumsums(w, p_k, m_rk):
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _gates_keep_bound(w, p_k, m_rk, lower_bound):
-    """Whether every gate of the chunk is >= lower_bound (the promise of the centred regime)."""
-    return tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
-
-
-@triton.jit
-def _centred_here(w, p_k, m_rk, lower_bound, CENTRED: tl.constexpr):
-    """Whether this chunk takes the centred regime, for the kernels that hold both paths and branch at
-    run time: never without CENTRED (no usable bound: exact everywhere), else where the chunk's gates
-    keep the promise w >= lower_bound (the chunks that break it take the exact per-pair path at the
-    same chunk size)."""
+def _gates_keep_bound(w, p_k, m_rk, lower_bound, CENTRED: tl.constexpr):
+    """Whether this chunk takes the centred regime: never without CENTRED (no usable bound: exact
+    everywhere), else where every gate of the chunk keeps the promise w >= lower_bound (the chunks that
+    break it take the exact per-pair path at the same chunk size). Checked once per chunk, by
+    `_prepare_kernel`, which records the answer in `regime` for the backward's kernels."""
     if CENTRED:
-        return _gates_keep_bound(w, p_k, m_rk, lower_bound)
+        return tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
     else:
         return False
 
 
 @triton.jit
-def _regime_selected(w, p_k, m_rk, lower_bound, MODE: tl.constexpr):
+def _centred_here(regime, i_c, i_h, H, CENTRED: tl.constexpr):
+    """The regime that `_prepare_kernel` recorded for chunk i_c and head i_h (False without CENTRED),
+    for the backward's kernels that hold both paths and branch at run time (`_bwd_kb`)."""
+    if CENTRED:
+        return tl.load(regime + i_c.to(tl.int64) * H + i_h) != 0
+    else:
+        return False
+
+
+@triton.jit
+def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
     """For the kernels launched once per regime (`_bwd_q`, `_bwd_wy`: holding both paths in one program
-    made them 15-50% slower on an H100, from register spills), which chunks this launch takes. MODE 0:
-    every chunk (exact regime); 1: the chunks whose gates keep the promise w >= lower_bound (centred);
-    2: the chunks that break it (exact per-pair fallback at the centred chunk size)."""
+    made them 15-50% slower on an H100, from register spills), whether this launch takes chunk i_c of
+    head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk (exact regime); 1: the
+    centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at the centred chunk
+    size). A launch whose chunks all belong to the other regime costs ~10 us (a byte per program)."""
     if MODE == 0:
         return True
-    ok = _gates_keep_bound(w, p_k, m_rk, lower_bound)
+    ok = tl.load(regime + i_c.to(tl.int64) * H + i_h) != 0
     if MODE == 1:
         return ok
     return ok == 0
@@ -316,46 +327,39 @@ def _chunk_tile(cu_seqlens, chunk_info, H, K, BT: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
-def _prepare_wy_kernel(
-    w, k, a, b, cu_seqlens, chunk_info, lower_bound, Wm, Gm, Tm, Mak,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, TF32: tl.constexpr,
-    PREC: tl.constexpr,
+def _prepare_kernel(
+    q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
+    Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, regime,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr,
+    TF32: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One chunk and head, a side: M^ak, M^ab, the WY inverse Tm, W = Tm Â and G = Tm M^ak (and, for
-    the backward, Tm and M^ak)."""
-    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    centred = _centred_here(w + bk, p_k, m_rk, lower_bound, CENTRED)
-    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-    if centred:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        b_Mak, b_Mab = _centred_a_side(_load_rows(a + bk, p_k, m_rk) * e_a, _load_rows(k + bk, p_k, m_rk) * e_k,
-                                       _load_rows(b + bk, p_k, m_rk) * e_k, BT, PREC)
-    else:
-        b_Mak, b_Mab = _pairwise_a_side(_load_rows(a + bk, p_k, m_rk), _load_rows(k + bk, p_k, m_rk),
-                                        _load_rows(b + bk, p_k, m_rk), Gi, Ge, BT, PREC)
-    b_Tm = unit_lower_inverse(b_Mab, BT, TF32, PREC)
-    if STORE_BWD:
-        tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
-        tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
-    b_W = mm_prec(b_Tm, _load_rows(a + bk, p_k, m_rk) * tl.exp2(Ge), PREC)
-    tl.store(Wm + bk + p_k, b_W, mask=m_rk)
-    tl.store(Gm + bT + p_t, mm_prec(b_Tm, b_Mak, PREC), mask=m_r)
-
-
-@triton.jit
-def _prepare_maps_kernel(
-    q, w, k, b, cu_seqlens, chunk_info, scale, lower_bound, Wm, Gm,
-    Qs, Es, Cs, As, Mqb,
-    H, K, BT: tl.constexpr, BK: tl.constexpr,
-    CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-):
-    """One chunk and head, q side: M^qk, M^qb and, with the W and G of `_prepare_wy_kernel`, the four
-    chunk matrices Q', E, A, C (and, for the backward, M^qb)."""
+    """One chunk and head: M^ak, M^ab, the WY inverse Tm, W = Tm Â and G = Tm M^ak, then M^qk, M^qb and
+    the four chunk matrices Q', E, A, C of the scans. With STORE_BWD also W, G, Tm, M^ak and M^qb (fp32)
+    for the backward; without, W and G never leave the registers."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    centred = _centred_here(w + bk, p_k, m_rk, lower_bound, CENTRED)
+    centred = _gates_keep_bound(w + bk, p_k, m_rk, lower_bound, CENTRED)
+    if CENTRED:
+        tl.store(regime + i_c.to(tl.int64) * H + i_h, centred.to(tl.int8))
     Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    b_a = _load_rows(a + bk, p_k, m_rk)
+    if centred:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        b_Mak, b_Mab = _centred_a_side(b_a * e_a, _load_rows(k + bk, p_k, m_rk) * e_k,
+                                       _load_rows(b + bk, p_k, m_rk) * e_k, BT, PREC)
+    else:
+        b_Mak, b_Mab = _pairwise_a_side(b_a, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi, Ge,
+                                        BT, PREC)
+    b_Tm = unit_lower_inverse(b_Mab, BT, TF32, PREC)
+    b_W = mm_prec(b_Tm, b_a * tl.exp2(Ge), PREC)
+    b_G = mm_prec(b_Tm, b_Mak, PREC)
+    if STORE_BWD:
+        tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
+        tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
+        tl.store(Wm + bk + p_k, b_W, mask=m_rk)
+        tl.store(Gm + bT + p_t, b_G, mask=m_r)
+
     b_q = _load_rows(q + bk, p_k, m_rk) * scale
     if centred:
         e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
@@ -366,8 +370,6 @@ def _prepare_maps_kernel(
                                         BT, PREC)
     if STORE_BWD:
         tl.store(Mqb + bT + p_t, b_Mqb, mask=m_r)
-    b_W = _load_rows(Wm + bk, p_k, m_rk)
-    b_G = _load_rows(Gm + bT, p_t, m_r)
     b_Q = b_q * tl.exp2(Gi) + mm_prec(b_Mqb, b_W, PREC)
     tl.store(Qs + bk + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
     b_E = b_Mqk + mm_prec(b_Mqb, b_G, PREC)
@@ -503,7 +505,7 @@ def _v_block(i_v, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr)
 
 @triton.jit
 def _bwd_q_kernel(
-    q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, lower_bound,
+    q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime,
     dq, dEb, dMqbb, gq, dWb, dGb,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr,
     TF32: tl.constexpr, PREC: tl.constexpr,
@@ -514,8 +516,8 @@ def _bwd_q_kernel(
     of dW and dG, and q dq (fp32) for the next kernels."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
+    if _regime_selected(regime, i_c, i_h, H, MODE):
+        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
         rows = tl.arange(0, BT)
         incl = rows[:, None] >= rows[None, :]
         dQ = tl.zeros([BT, BK], dtype=tl.float32)
@@ -595,15 +597,17 @@ def _bwd_state_kernel(
 
 @triton.jit
 def _bwd_wy_kernel(
-    w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, lower_bound,
+    w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime,
     da, ga, dMakb, dMabb,
     H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk and head, the WY backward (W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1):
     dTm = dG M^ak^T + dW Â^T, dM^ak = strict(Tm^T dG), dÂ = Tm^T dW, dM^ab = strict(Tm^T dTm Tm^T),
     then da (dÂ e^Γ̄ + the row side of dM^ak, dM^ab) and its I2 term a da."""
-    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    if _regime_selected(w + bk, p_k, m_rk, lower_bound, MODE):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if _regime_selected(regime, i_c, i_h, H, MODE):
+        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
         rows = tl.arange(0, BT)
         strict = rows[:, None] > rows[None, :]
         Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
@@ -634,7 +638,7 @@ def _bwd_wy_kernel(
 
 @triton.jit
 def _bwd_kb_kernel(
-    q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale, lower_bound,
+    q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale, regime,
     dw, dk, db,
     H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr,
     PREC: tl.constexpr,
@@ -644,7 +648,7 @@ def _bwd_kb_kernel(
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    centred = _centred_here(w + bk, p_k, m_rk, lower_bound, CENTRED)
+    centred = _centred_here(regime, i_c, i_h, H, CENTRED)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     incl = rows[:, None] >= rows[None, :]
@@ -751,9 +755,9 @@ class _Plan:
         # K64 bf16: fwd+bwd 4.45 -> 3.85 ms, with the trained head's errors against fp64 unchanged to
         # two digits (o 2.64e-3, dw 2.97e-3 -> 2.89e-3; session 6, call 1)
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
-        # register caps (ptxas maxnreg) of the per-chunk kernels at head dims <= 64, where they run at 2
-        # programs per SM with 255 registers: 168 lets `_prepare_wy`, `_bwd_q` and `_bwd_state` run 3 per SM
-        # and spill a little, 12-17% faster each on the H100; it slowed the others (session 6, call 1)
+        # register cap (ptxas maxnreg) of `_bwd_q` and `_bwd_state` at head dims <= 64, where the per-chunk
+        # kernels run at 2 programs per SM with 255 registers: 168 lets them run 3 per SM and spill a little,
+        # 12-17% faster each on the H100; it slowed `_bwd_wy`, `_bwd_kb` and `_prepare` (session 6, calls 1, 4)
         self.maxnreg = 168 if self.BK <= 64 else None
         # `_bwd_q` and `_bwd_state` loop over V blocks: 2 pipeline stages (prefetch the next block's S, dO, V)
         # made them 11% and 5% faster there (H100, session 6, call 2); 1 stage at larger head dims, whose
@@ -771,34 +775,32 @@ class _Plan:
         # brings back to 3xTF32 accuracy. Trained head, first 512 tokens, interpreter with TF32 operand
         # truncation, against fp64: dw 3.0e-3 -> 3.8e-3 (state) / 4.3e-3 (kb), dQ', dE no change, the rest
         # unchanged. The same pass cost too much in the rest of `_bwd_q` (dM^qb: dw 8.4e-3; dW, dG: db
-        # 3.5e-3), in `_bwd_wy` (dw 5.5e-3 to 2.4e-2 by product), in `_prepare_maps` (o 5.4e-3), in G, M^ak of
-        # `_prepare_wy` (o 1.1e-2) and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048)
+        # 3.5e-3), in `_bwd_wy` (dw 5.5e-3 to 2.4e-2 by product), and in `_prepare`: in Q', E, C (o 5.4e-3), in
+        # G, M^ak (o 1.1e-2) and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048). (Measured
+        # against 3xTF32 products, session 5; they are bf16x3 now, see prec.)
         self.tf32 = self.lowp  # the same switch: bf16 inputs, 1 on a GPU, 2 emulated under the interpreter
 
 
 def _prepare(plan, q, w, k, a, b, scale, store_bwd):
-    """The per-chunk matrices of the scans (Q', E, C in plan.scan_dtype, A fp32) and W, G; with
-    store_bwd also Tm, M^ak, M^qb (fp32) for the backward."""
+    """The per-chunk matrices of the scans (Q', E, C in plan.scan_dtype, A fp32) and, in the centred regime,
+    each chunk's regime (int8 [NT, H], 1: centred); with store_bwd also W, G, Tm, M^ak, M^qb (fp32) for
+    the backward."""
     B, T, H, K, BT = plan.B, plan.T, plan.H, plan.K, plan.BT
     dev = q.device
     it = dict(dtype=plan.scan_dtype, device=dev)
     f32 = dict(dtype=torch.float32, device=dev)
     out = dict(Qs=torch.empty(B, T, H, K, **it), Es=torch.empty(B, T, H, BT, **it), Cs=torch.empty(B, T, H, K, **it),
                As=torch.empty(plan.NT, H, K, K, **f32),
-               Wm=torch.empty(B, T, H, K, **f32), Gm=torch.empty(B, T, H, BT, **f32))
+               regime=torch.empty(plan.NT, H, dtype=torch.int8, device=dev) if plan.centred else None)
     if store_bwd:
-        out.update(Tm=torch.empty(B, T, H, BT, **f32), Mak=torch.empty(B, T, H, BT, **f32),
+        out.update(Wm=torch.empty(B, T, H, K, **f32), Gm=torch.empty(B, T, H, BT, **f32),
+                   Tm=torch.empty(B, T, H, BT, **f32), Mak=torch.empty(B, T, H, BT, **f32),
                    Mqb=torch.empty(B, T, H, BT, **f32))
-    _prepare_wy_kernel[(plan.NT, H)](
-        w, k, a, b, plan.cu, plan.chunk_info, plan.lower_bound,
-        out["Wm"], out["Gm"], out.get("Tm"), out.get("Mak"),
-        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd, TF32=plan.tf32, PREC=plan.prec,
-        num_warps=WARPS_CHUNK, num_stages=1, maxnreg=plan.maxnreg,
-    )
-    _prepare_maps_kernel[(plan.NT, H)](
-        q, w, k, b, plan.cu, plan.chunk_info, scale, plan.lower_bound, out["Wm"], out["Gm"],
-        out["Qs"], out["Es"], out["Cs"], out["As"], out.get("Mqb"),
-        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd, LOWP=plan.lowp,
+    _prepare_kernel[(plan.NT, H)](
+        q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
+        out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
+        out["Qs"], out["Es"], out["Cs"], out["As"], out["regime"],
+        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd, LOWP=plan.lowp, TF32=plan.tf32,
         PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
     )
     return out
@@ -820,17 +822,17 @@ def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
     common = dict(H=H, K=K, BT=BT, BK=plan.BK, PREC=plan.prec, num_warps=WARPS_CHUNK)
     for mode in plan.modes:
         _bwd_q_kernel[grid](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu, plan.chunk_info, scale,
-                            plan.lower_bound, dq, dEb, dMqbb, gq, dWb, dGb,
+                            pre["regime"], dq, dEb, dMqbb, gq, dWb, dGb,
                             V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, maxnreg=plan.maxnreg,
                             num_stages=plan.bwd_stages, **common)
     _bwd_state_kernel[grid](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu, plan.chunk_info,
                             dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32,
                             maxnreg=plan.maxnreg, num_stages=plan.bwd_stages, **common)
     for mode in plan.modes:
-        _bwd_wy_kernel[grid](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info, plan.lower_bound,
+        _bwd_wy_kernel[grid](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info, pre["regime"],
                              da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, num_stages=1, **common)
     _bwd_kb_kernel[grid](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
-                         plan.chunk_info, scale, plan.lower_bound, dw, dk, db, CENTRED=plan.centred, LOWP=plan.lowp,
+                         plan.chunk_info, scale, pre["regime"], dw, dk, db, CENTRED=plan.centred, LOWP=plan.lowp,
                          TF32=plan.tf32, num_stages=1, **common)
     return dq, dw, dk, da, db
 

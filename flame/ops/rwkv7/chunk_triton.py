@@ -299,12 +299,14 @@ def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
     head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk (exact regime); 1: the
     centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at the centred chunk
     size). A launch whose chunks all belong to the other regime costs ~10 us (a byte per program)."""
-    if MODE == 0:
+    if MODE == 0:  # (no regime record then: the other branch must not be compiled)
         return True
-    ok = tl.load(regime + i_c.to(tl.int64) * H + i_h) != 0
-    if MODE == 1:
-        return ok
-    return ok == 0
+    else:
+        centred = tl.load(regime + i_c.to(tl.int64) * H + i_h) != 0
+        if MODE == 1:
+            return centred
+        else:
+            return centred == 0
 
 
 @triton.jit

@@ -898,8 +898,8 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     K + 4 C fp32 (W, G, Tm, M^ak, M^qb), plus K*K fp32 (A) per chunk and head; at K = 64, C = 32
     1600 bytes per token and head (0.84 GB per layer at B16 T2048 H16), held from the forward to the
     backward: ~20 GB over rwkv7_340M's 24 layers at its batch of 16 without activation checkpointing,
-    which an 80 GB GPU does not have to spare. Off: the backward recomputes them (the two `_prepare`
-    kernels once more; fwd+bwd 4.49 ms against 3.55 cached at B8 T2048 H16 K64 bf16 on the H100).
+    which an 80 GB GPU does not have to spare. Off: the backward recomputes them (`_prepare_kernel` once
+    more; fwd+bwd 3.38 ms against 2.80 cached at B8 T2048 H16 K64 bf16 on the H100, session 6).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

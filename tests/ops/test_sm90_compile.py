@@ -1,4 +1,4 @@
-"""The Triton kernels compile for an H100 (sm_90) in every regime the host code launches them in.
+"""The Triton kernels of every op compile for an H100 (sm_90) in the regimes the host code launches.
 
 CPU tests run kernels under the interpreter, which executes them as Python: code that the GPU
 compiler rejects passes there (session 6: a load from the exact regime's None pointer failed on the

@@ -30,8 +30,8 @@ da (`_bwd_wy`) and through the intra products to dk, db and dw by the reverse cu
 (`_bwd_kb`). The kernels pass fp32 [BT, K] / [BT, BT] tiles to each other through global memory, so
 that none holds more than a few tiles at once: with 3xTF32 products at 4 warps, a program that held
 the whole chain spilled 6-14 KB of registers per thread. No atomics anywhere: the backward is
-deterministic. By default the backward runs `_prepare` again; with cache_intermediates the forward
-keeps its intermediates for the backward instead (faster, more memory). Head dims K > 128 do not
+deterministic. By default the backward runs `_prepare` again, from the WY inverse Tm that the forward
+keeps; with cache_intermediates the forward keeps all its intermediates instead (faster, more memory). Head dims K > 128 do not
 fit one program's tiles and run on the fused recurrent kernels instead.
 
 Intra regimes (kernels.md 2.3):
@@ -332,12 +332,13 @@ def _chunk_tile(cu_seqlens, chunk_info, H, K, BT: tl.constexpr, BK: tl.constexpr
 def _prepare_kernel(
     q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
     Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, regime,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, LOWP: tl.constexpr,
-    TF32: tl.constexpr, PREC: tl.constexpr,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, TM_MODE: tl.constexpr,
+    LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk and head: M^ak, M^ab, the WY inverse Tm, W = Tm Â and G = Tm M^ak, then M^qk, M^qb and
-    the four chunk matrices Q', E, A, C of the scans. With STORE_BWD also W, G, Tm, M^ak and M^qb (fp32)
-    for the backward; without, W and G never leave the registers."""
+    the four chunk matrices Q', E, A, C of the scans. With STORE_BWD also W, G, M^ak and M^qb (fp32) for
+    the backward; without, W and G never leave the registers. TM_MODE 0: Tm computed; 1: computed and
+    stored; 2: loaded (the forward stored it: the backward's run skips M^ab and the inverse)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
@@ -353,11 +354,15 @@ def _prepare_kernel(
     else:
         b_Mak, b_Mab = _pairwise_a_side(b_a, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi, Ge,
                                         BT, PREC)
-    b_Tm = unit_lower_inverse(b_Mab, BT, TF32, PREC)
+    if TM_MODE == 2:
+        b_Tm = tl.load(Tm + bT + p_t, mask=m_r, other=0.0)
+    else:
+        b_Tm = unit_lower_inverse(b_Mab, BT, TF32, PREC)
+        if TM_MODE == 1:
+            tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
     b_W = mm_prec(b_Tm, b_a * tl.exp2(Ge), PREC)
     b_G = mm_prec(b_Tm, b_Mak, PREC)
     if STORE_BWD:
-        tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
         tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
         tl.store(Wm + bk + p_k, b_W, mask=m_rk)
         tl.store(Gm + bT + p_t, b_G, mask=m_r)
@@ -783,10 +788,10 @@ class _Plan:
         self.tf32 = self.lowp  # the same switch: bf16 inputs, 1 on a GPU, 2 emulated under the interpreter
 
 
-def _prepare(plan, q, w, k, a, b, scale, store_bwd):
+def _prepare(plan, q, w, k, a, b, scale, store_bwd, keep_tm, tm=None):
     """The per-chunk matrices of the scans (Q', E, C in plan.scan_dtype, A fp32) and, in the centred regime,
-    each chunk's regime (int8 [NT, H], 1: centred); with store_bwd also W, G, Tm, M^ak, M^qb (fp32) for
-    the backward."""
+    each chunk's regime (int8 [NT, H], 1: centred); with store_bwd also W, G, M^ak, M^qb (fp32) for the
+    backward; with keep_tm also the inverse Tm (fp32), or, given tm (a previous call's), that one."""
     B, T, H, K, BT = plan.B, plan.T, plan.H, plan.K, plan.BT
     dev = q.device
     it = dict(dtype=plan.scan_dtype, device=dev)
@@ -796,14 +801,18 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd):
                regime=torch.empty(plan.NT, H, dtype=torch.int8, device=dev) if plan.centred else None)
     if store_bwd:
         out.update(Wm=torch.empty(B, T, H, K, **f32), Gm=torch.empty(B, T, H, BT, **f32),
-                   Tm=torch.empty(B, T, H, BT, **f32), Mak=torch.empty(B, T, H, BT, **f32),
-                   Mqb=torch.empty(B, T, H, BT, **f32))
+                   Mak=torch.empty(B, T, H, BT, **f32), Mqb=torch.empty(B, T, H, BT, **f32))
+    if tm is not None:
+        out["Tm"] = tm
+    elif keep_tm:
+        out["Tm"] = torch.empty(B, T, H, BT, **f32)
     _prepare_kernel[(plan.NT, H)](
         q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
         out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
         out["Qs"], out["Es"], out["Cs"], out["As"], out["regime"],
-        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd, LOWP=plan.lowp, TF32=plan.tf32,
-        PREC=plan.prec, num_warps=WARPS_CHUNK, num_stages=1,
+        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd,
+        TM_MODE=2 if tm is not None else int(keep_tm), LOWP=plan.lowp, TF32=plan.tf32, PREC=plan.prec,
+        num_warps=WARPS_CHUNK, num_stages=1,
     )
     return out
 
@@ -848,7 +857,9 @@ class ChunkRWKV7Function(torch.autograd.Function):
         H, K, V = plan.H, plan.K, plan.V
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 4, 5, 7))
         cache = need_grad and cache_intermediates
-        pre = _prepare(plan, r, w, k, a, b, scale, store_bwd=cache)
+        # the backward needs Tm: the forward keeps it also when it recomputes the rest (128 bytes per token
+        # and head at C = 32; its inverse is the longest chain of the recomputation)
+        pre = _prepare(plan, r, w, k, a, b, scale, store_bwd=cache, keep_tm=need_grad)
         hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32) if need_grad else None
         ht = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if output_final_state else None
         h0 = initial_state.contiguous() if initial_state is not None else None
@@ -864,6 +875,7 @@ class ChunkRWKV7Function(torch.autograd.Function):
             ctx.scale = scale
             ctx.has_h0 = initial_state is not None
             ctx.pre = pre if cache else None
+            ctx.tm = pre["Tm"] if need_grad else None
         return o, ht
 
     @staticmethod
@@ -871,8 +883,9 @@ class ChunkRWKV7Function(torch.autograd.Function):
         r, w, k, v, a, b, hs = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         H, K, V = plan.H, plan.K, plan.V
-        pre = ctx.pre if ctx.pre is not None else _prepare(plan, r, w, k, a, b, scale, store_bwd=True)
-        ctx.pre = None
+        pre = ctx.pre if ctx.pre is not None else _prepare(plan, r, w, k, a, b, scale, store_bwd=True,
+                                                           keep_tm=True, tm=ctx.tm)
+        ctx.pre = ctx.tm = None
         do = do.contiguous()
         dhs = torch.empty_like(hs)
         dh0 = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if ctx.has_h0 else None
@@ -899,7 +912,9 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     1600 bytes per token and head (0.84 GB per layer at B16 T2048 H16), held from the forward to the
     backward: ~20 GB over rwkv7_340M's 24 layers at its batch of 16 without activation checkpointing,
     which an 80 GB GPU does not have to spare. Off: the backward recomputes them (`_prepare_kernel` once
-    more; fwd+bwd 3.38 ms against 2.80 cached at B8 T2048 H16 K64 bf16 on the H100, session 6).
+    more) from the WY inverse Tm alone, which the forward keeps (C fp32 per token and head: 128 bytes at
+    C = 32; it saved 0.1 ms of recomputation): fwd+bwd 3.28 ms against 2.80 cached at B8 T2048 H16 K64
+    bf16 on the H100 (session 6).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

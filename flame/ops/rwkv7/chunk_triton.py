@@ -30,9 +30,10 @@ da (`_bwd_wy`) and through the intra products to dk, db and dw by the reverse cu
 (`_bwd_kb`). The kernels pass fp32 [BT, K] / [BT, BT] tiles to each other through global memory, so
 that none holds more than a few tiles at once: with 3xTF32 products at 4 warps, a program that held
 the whole chain spilled 6-14 KB of registers per thread. No atomics anywhere: the backward is
-deterministic. By default the backward runs `_prepare` again, from the WY inverse Tm that the forward
-keeps; with cache_intermediates the forward keeps all its intermediates instead (faster, more memory). Head dims K > 128 do not
-fit one program's tiles and run on the fused recurrent kernels instead.
+deterministic. By default the backward runs `_prepare` again, from the WY inverse Tm that the
+forward keeps; with cache_intermediates the forward keeps all its intermediates instead (faster,
+more memory). Head dims K > 128 do not fit one program's tiles and run on the fused recurrent
+kernels instead.
 
 Intra regimes (kernels.md 2.3):
 - exact per-pair exponents (any gate): a loop over the key column with exponents Γ_τ - Γ_j <= 0;
@@ -867,7 +868,8 @@ class ChunkRWKV7Function(torch.autograd.Function):
         _scan_fwd_kernel[(plan.N * H, plan.NV)](
             v, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
             H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=need_grad,
-            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
+            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN,
+            num_stages=plan.scan_stages,
         )
         if need_grad:
             ctx.save_for_backward(r, w, k, v, a, b, hs)

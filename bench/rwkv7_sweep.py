@@ -1,0 +1,165 @@
+"""Where the chunked RWKV7 kernels' time goes under launch-option and plan variants (GPU diagnostic).
+
+    python bench/rwkv7_sweep.py ref                 fp64 reference of the trained head (REF, below)
+    python bench/rwkv7_sweep.py warm SPEC           compile the variant only (run several in parallel)
+    python bench/rwkv7_sweep.py run SPEC            time it (do_bench, B8 T2048 H16 D64 bf16, default and
+                                                    cached), profile its kernels, and its trained-head errors
+
+SPEC is "base" or groups "TARGET:KEY=VALUE,..." joined by ";". TARGET is a kernel (prep, q, st, wyb,
+kb, sf, sb: `_prepare_kernel`, `_bwd_q`, `_bwd_state`, `_bwd_wy`, `_bwd_kb`, `_scan_fwd`, `_scan_bwd`)
+whose launch keywords are overridden (num_warps, num_stages, maxnreg), or "plan" for attributes of
+`_Plan` (prec, tf32, modes, BV, BV_bwd). Values are Python literals; bare words are strings.
+Examples: "q:num_warps=8,maxnreg=None", "plan:prec='tf32x3'", "sf:num_warps=8;sb:num_warps=8".
+The sessions' calls ran the warm-ups in parallel, then `run` one variant after another (bench/RESULTS.md).
+"""
+
+import ast
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+import ops  # noqa: E402  (bench/ops.py: the inputs and the timing of the op table)
+from flame.ops.rwkv7 import chunk_triton as ct  # noqa: E402
+
+TRAINED_HEAD = ROOT / "tests/ops/data/rwkv7_340M_layer1_head3_bf16.pt"
+REF = Path(os.environ.get("RWKV7_SWEEP_REF", "/tmp/rwkv7_trained_head_ref.pt"))
+KERNELS = dict(prep="_prepare_kernel", q="_bwd_q_kernel", st="_bwd_state_kernel", wyb="_bwd_wy_kernel",
+               kb="_bwd_kb_kernel", sf="_scan_fwd_kernel", sb="_scan_bwd_kernel")
+
+
+def _literal(text):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse(spec):
+    """{target: {key: value}} from a SPEC string."""
+    if spec == "base":
+        return {}
+    out = {}
+    for group in filter(None, spec.split(";")):
+        target, _, pairs = group.partition(":")
+        if target != "plan" and target not in KERNELS:
+            raise SystemExit(f"unknown target {target!r} in {spec!r}; use plan or one of {sorted(KERNELS)}")
+        items = re.split(r",(?=\s*\w+=)", pairs)  # commas inside a value, e.g. modes=(1,), stay
+        out[target] = {k.strip(): _literal(v) for k, v in (item.split("=", 1) for item in items if item)}
+    return out
+
+
+def apply(spec):
+    """Patch _Plan and the kernels' launches for this process."""
+    cfg = parse(spec)
+    plan_over = cfg.pop("plan", {})
+    init = ct._Plan.__init__
+
+    def patched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for key, value in plan_over.items():
+            setattr(self, key, value)
+        self.NV = -(-self.V // self.BV)
+    ct._Plan.__init__ = patched_init
+    for short, over in cfg.items():
+        kernel = getattr(ct, KERNELS[short])
+        run = kernel.run
+
+        def patched_run(*args, _run=run, _over=over, **kwargs):
+            kwargs.update(_over)
+            return _run(*args, **kwargs)
+        kernel.run = patched_run
+
+
+def trained_head(device):
+    data = torch.load(TRAINED_HEAD, map_location=device)
+    return {n: data[n] for n in "rwkvab"}
+
+
+def forward_backward(fn, inputs, seed=7):
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
+    o = fn(leaves)
+    g = torch.Generator(device=o.device).manual_seed(seed)
+    do = torch.randn(o.shape, generator=g, device=o.device, dtype=torch.float64).to(o.dtype)
+    return o.detach(), dict(zip(leaves, torch.autograd.grad(o, list(leaves.values()), do)))
+
+
+def rel_rms(ref, out):
+    ref, out = ref.double(), out.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def chunk(cache):
+    return lambda d: ct.chunk_rwkv7_triton(d["r"], d["w"], d["k"], d["v"], d["a"], d["b"], scale=1.0,
+                                           gate_lower_bound=ops.RWKV7_LOG_DECAY_BOUND, cache_intermediates=cache)[0]
+
+
+def make_ref():
+    from flame.ops import naive_rwkv7
+    x = {n: t.double() for n, t in trained_head("cuda").items()}
+    o, g = forward_backward(lambda d: naive_rwkv7(d["r"], d["w"], d["k"], d["v"], d["a"], d["b"], scale=1.0)[0], x)
+    torch.save({"o": o, **{"d" + n: t for n, t in g.items()}}, REF)
+    print(f"reference saved to {REF}")
+
+
+def kernel_profile(fn, x, n=5):
+    """GPU ms per forward+backward by kernel (profiler; grads accumulate into .grad, as in training)."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad():
+        do = torch.randn_like(fn(x))
+    for _ in range(3):
+        torch.autograd.backward(fn(x), do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            torch.autograd.backward(fn(x), do)
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(float)
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if t and "Memset" not in e.key and "memcpy" not in e.key.lower():
+            per_kernel[e.key[:40]] += t / n / 1000.0
+    return sum(per_kernel.values()), sorted(per_kernel.items(), key=lambda kv: -kv[1])
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] not in ("ref", "warm", "run") or (sys.argv[1] != "ref" and len(sys.argv) != 3):
+        raise SystemExit(__doc__)
+    mode = sys.argv[1]
+    if mode == "ref":
+        make_ref()
+        return
+    spec = sys.argv[2]
+    apply(spec)
+    from flame.ops.checks import set_value_checks
+    set_value_checks(False)
+    x = ops._rwkv7_inputs(torch.bfloat16, "cuda", **ops.RWKV7_SHAPES[0])
+    if mode == "warm":
+        for cache in (False, True):
+            torch.autograd.backward(chunk(cache)(x), torch.ones_like(chunk(cache)(x)))
+        forward_backward(chunk(False), trained_head("cuda"))
+        print(spec, "warm")
+        return
+    t = {cache: ops._time(chunk(cache), x) for cache in (False, True)}
+    total, rows = kernel_profile(chunk(False), x)
+    print(f"== {spec}: default fwd {t[False][0]:.3f} f+b {t[False][1]:.3f} | cached fwd {t[True][0]:.3f} "
+          f"f+b {t[True][1]:.3f} | kernel time per f+b {total:.3f}")
+    print("   kernels: " + ", ".join(f"{k.split('(')[0]} {v:.3f}" for k, v in rows[:10]))
+    while not REF.exists():  # written by a `ref` process running beside the warm-ups
+        time.sleep(5)
+    ref = torch.load(REF)
+    o, g = forward_backward(chunk(False), trained_head("cuda"))
+    errors = {"o": rel_rms(ref["o"], o), **{"d" + n: rel_rms(ref["d" + n], t) for n, t in g.items()}}
+    print("   trained head (default): " + " ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+
+
+if __name__ == "__main__":
+    main()

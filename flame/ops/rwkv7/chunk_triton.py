@@ -368,6 +368,8 @@ def _prepare_kernel(
         tl.store(Wm + bk + p_k, b_W, mask=m_rk)
         tl.store(Gm + bT + p_t, b_G, mask=m_r)
 
+    # the q side: the factors and the k, b tiles are formed again here rather than held across the
+    # inverse (the a side's live tiles are what the inverse's products compete with for registers)
     b_q = _load_rows(q + bk, p_k, m_rk) * scale
     if centred:
         e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)

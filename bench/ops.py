@@ -263,7 +263,8 @@ def _time(fn: Callable[[dict], torch.Tensor], inputs: dict) -> tuple[float, floa
     return do_bench(fwd), do_bench(fwd_bwd, grad_to_none=leaves)
 
 
-def _profile(fn: Callable[[dict], torch.Tensor], inputs: dict, title: str) -> None:
+def _profiled(fn: Callable[[dict], torch.Tensor], inputs: dict, n: int = 5):
+    """The CUDA profile of n forward+backward passes of fn (after 3 warm-up passes)."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
@@ -272,9 +273,14 @@ def _profile(fn: Callable[[dict], torch.Tensor], inputs: dict, title: str) -> No
         torch.autograd.backward(fn(inputs), do)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(n):
             torch.autograd.backward(fn(inputs), do)
         torch.cuda.synchronize()
+    return prof
+
+
+def _profile(fn: Callable[[dict], torch.Tensor], inputs: dict, title: str) -> None:
+    prof = _profiled(fn, inputs, 5)
     print(f"\nprofile of 5 x forward+backward: {title}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 

@@ -112,18 +112,8 @@ def make_ref():
 
 def kernel_profile(fn, x, n=5):
     """GPU ms per forward+backward by kernel (profiler; grads accumulate into .grad, as in training)."""
-    from torch.profiler import ProfilerActivity, profile
-    with torch.no_grad():
-        do = torch.randn_like(fn(x))
-    for _ in range(3):
-        torch.autograd.backward(fn(x), do)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            torch.autograd.backward(fn(x), do)
-        torch.cuda.synchronize()
     per_kernel = defaultdict(float)
-    for e in prof.key_averages():
+    for e in ops._profiled(fn, x, n).key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if t and "Memset" not in e.key and "memcpy" not in e.key.lower():
             per_kernel[e.key[:40]] += t / n / 1000.0

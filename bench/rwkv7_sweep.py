@@ -7,9 +7,12 @@
 
 SPEC is "base" or groups "TARGET:KEY=VALUE,..." joined by ";". TARGET is a kernel (prep, q, st, wyb,
 kb, sf, sb: `_prepare_kernel`, `_bwd_q`, `_bwd_state`, `_bwd_wy`, `_bwd_kb`, `_scan_fwd`, `_scan_bwd`)
-whose launch keywords are overridden (num_warps, num_stages, maxnreg), or "plan" for attributes of
-`_Plan` (prec, tf32, modes, BV, BV_bwd). Values are Python literals; bare words are strings.
-Examples: "q:num_warps=8,maxnreg=None", "plan:prec='tf32x3'", "sf:num_warps=8;sb:num_warps=8".
+whose launch keywords are overridden (num_warps, num_stages, maxnreg), "plan" for attributes of
+`_Plan` (prec, tf32, modes, BV, BV_bwd), or "mod" with path=FILE: another version of chunk_triton.py
+(e.g. an older commit's, to time both in one run; it imports its neighbours in flame/ops/rwkv7 as the
+package file does). Values are Python literals; bare words are strings.
+Examples: "q:num_warps=8,maxnreg=None", "plan:prec='tf32x3'", "sf:num_warps=8;sb:num_warps=8",
+"mod:path=/tmp/chunk_triton_old.py".
 The sessions' calls ran the warm-ups in parallel, then `run` one variant after another (bench/RESULTS.md).
 """
 
@@ -48,16 +51,29 @@ def parse(spec):
     out = {}
     for group in filter(None, spec.split(";")):
         target, _, pairs = group.partition(":")
-        if target != "plan" and target not in KERNELS:
-            raise SystemExit(f"unknown target {target!r} in {spec!r}; use plan or one of {sorted(KERNELS)}")
+        if target not in ("plan", "mod") and target not in KERNELS:
+            raise SystemExit(f"unknown target {target!r} in {spec!r}; use plan, mod or one of {sorted(KERNELS)}")
         items = re.split(r",(?=\s*\w+=)", pairs)  # commas inside a value, e.g. modes=(1,), stay
         out[target] = {k.strip(): _literal(v) for k, v in (item.split("=", 1) for item in items if item)}
     return out
 
 
+def load_variant(path):
+    """A copy of chunk_triton.py at `path`, loaded as a module of the flame.ops.rwkv7 package."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("flame.ops.rwkv7._sweep_variant", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def apply(spec):
-    """Patch _Plan and the kernels' launches for this process."""
+    """Patch _Plan and the kernels' launches for this process (and swap in another kernels file)."""
+    global ct
     cfg = parse(spec)
+    if "mod" in cfg:
+        ct = load_variant(cfg.pop("mod")["path"])
     plan_over = cfg.pop("plan", {})
     init = ct._Plan.__init__
 

@@ -44,10 +44,11 @@ Intra regimes (kernels.md 2.3):
   only for chunks whose gates really are >= lb, checked per chunk by `_prepare_kernel` on the chunk's
   own gates, with no host sync, and recorded (int8 per chunk and head) for the backward, so both
   passes take the same regime; the chunks that break the promise take the exact per-pair path at the
-  same chunk size. `_prepare` and `_bwd_kb` branch per program at run time; `_bwd_q` and `_bwd_wy`,
-  which spill more with both paths and ran 15-50% slower that way, launch twice instead, each launch
-  skipping the chunks of the other regime (`_regime_selected`: one byte per program, where reading the
-  chunk's gates cost ~35 us per launch); `_bwd_state` and the scans do not depend on the regime.
+  same chunk size. Every per-chunk kernel that depends on the regime launches twice, once per regime,
+  each launch skipping the chunks of the other (`_regime_selected`: one byte per program, where reading
+  the chunk's gates cost ~35 us per launch): a program holding both paths spills more (`_bwd_q` and
+  `_bwd_wy` ran 15-50% slower that way on an H100). `_prepare`'s first launch decides and records the
+  regime. `_bwd_state` and the scans do not depend on the regime.
 
 Precision: fp32 decay cumsums, states, state gradients and intermediates everywhere. Products with
 fp32 operands are 3xTF32 (fp32-accurate) for fp32 inputs and in the scans' state recurrence A S; for
@@ -260,11 +261,18 @@ def _load_rows(x, p, m):
 
 
 @triton.jit
-def _gate_cumsums(w, p_k, m_rk):
-    """Inclusive and exclusive chunk-local cumsums of w log2 e, and the chunk total [BK]."""
-    wl = _load_rows(w, p_k, m_rk) * 1.4426950408889634
+def _cumsums_of(b_w):
+    """Inclusive and exclusive chunk-local cumsums of the loaded gate tile b_w times log2 e, and the
+    chunk total [BK]."""
+    wl = b_w * 1.4426950408889634
     Gi = tl.cumsum(wl, 0)
     return Gi, Gi - wl, tl.sum(wl, 0)
+
+
+@triton.jit
+def _gate_cumsums(w, p_k, m_rk):
+    """`_cumsums_of` the chunk's gates."""
+    return _cumsums_of(_load_rows(w, p_k, m_rk))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,31 +280,18 @@ def _gate_cumsums(w, p_k, m_rk):
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _gates_keep_bound(w, p_k, m_rk, lower_bound, CENTRED: tl.constexpr):
-    """Whether this chunk takes the centred regime: never without CENTRED (no usable bound: exact
-    everywhere), else where every gate of the chunk keeps the promise w >= lower_bound (the chunks that
-    break it take the exact per-pair path at the same chunk size). Checked once per chunk, by
-    `_prepare_kernel`, which records the answer in `regime` for the backward's kernels."""
-    if CENTRED:
-        return tl.min(tl.where(m_rk, _load_rows(w, p_k, m_rk), 0.0)) >= lower_bound
-    else:
-        return False
-
-
-@triton.jit
-def _centred_here(regime, i_c, i_h, H, CENTRED: tl.constexpr):
-    """The regime that `_prepare_kernel` recorded for chunk i_c and head i_h (False without CENTRED),
-    for the backward's kernels that hold both paths and branch at run time (`_bwd_kb`)."""
-    if CENTRED:
-        return tl.load(regime + i_c.to(tl.int64) * H + i_h) != 0
-    else:
-        return False
+def _gates_keep_bound(b_w, m_rk, lower_bound):
+    """Whether this chunk (gate tile b_w) takes the centred regime: where every gate of the chunk keeps
+    the promise w >= lower_bound (the chunks that break it take the exact per-pair path at the same chunk
+    size). Checked once per chunk, by `_prepare_kernel`, which records the answer in `regime` for the
+    backward's kernels."""
+    return tl.min(tl.where(m_rk, b_w, 0.0)) >= lower_bound
 
 
 @triton.jit
 def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
-    """For the kernels launched once per regime (`_bwd_q`, `_bwd_wy`: holding both paths in one program
-    made them 15-50% slower on an H100, from register spills), whether this launch takes chunk i_c of
+    """For the kernels launched once per regime (holding both paths in one program made `_bwd_q` and
+    `_bwd_wy` 15-50% slower on an H100, from register spills), whether this launch takes chunk i_c of
     head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk (exact regime); 1: the
     centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at the centred chunk
     size). A launch whose chunks all belong to the other regime costs ~10 us (a byte per program)."""
@@ -333,28 +328,65 @@ def _chunk_tile(cu_seqlens, chunk_info, H, K, BT: tl.constexpr, BK: tl.constexpr
 def _prepare_kernel(
     q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
     Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, regime,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, STORE_BWD: tl.constexpr, TM_MODE: tl.constexpr,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, STORE_BWD: tl.constexpr, TM_MODE: tl.constexpr,
     LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr,
 ):
     """One chunk and head: M^ak, M^ab, the WY inverse Tm, W = Tm Â and G = Tm M^ak, then M^qk, M^qb and
     the four chunk matrices Q', E, A, C of the scans. With STORE_BWD also W, G, M^ak and M^qb (fp32) for
     the backward; without, W and G never leave the registers. TM_MODE 0: Tm computed; 1: computed and
-    stored; 2: loaded (the forward stored it: the backward's run skips M^ab and the inverse)."""
+    stored; 2: loaded (the forward stored it: the backward's run skips M^ab and the inverse).
+
+    MODE 0: every chunk, exact regime (no usable bound). With a bound, two launches: MODE 1 decides each
+    chunk's regime from its own gates, records it in `regime` and takes the centred chunks; MODE 2 then
+    takes the chunks that broke the bound (exact per-pair path at the same chunk size). One program
+    holding both paths spilled 224 bytes per thread at 255 registers (ptxas, sm_90), the centred path
+    alone none."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    centred = _gates_keep_bound(w + bk, p_k, m_rk, lower_bound, CENTRED)
-    if CENTRED:
+    if MODE == 1:
+        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+        b_w = _load_rows(w + bk, p_k, m_rk)
+        centred = _gates_keep_bound(b_w, m_rk, lower_bound)
         tl.store(regime + i_c.to(tl.int64) * H + i_h, centred.to(tl.int8))
-    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+        if centred:
+            _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, i_c, i_h, H, K,
+                           m_r, m_rk, p_k, p_t, bk, bT, BT, BK, True, STORE_BWD, TM_MODE, LOWP, TF32, PREC)
+    else:
+        if _regime_selected(regime, i_c, i_h, H, MODE):
+            t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+            b_w = _load_rows(w + bk, p_k, m_rk)
+            _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, i_c, i_h, H, K,
+                           m_r, m_rk, p_k, p_t, bk, bT, BT, BK, False, STORE_BWD, TM_MODE, LOWP, TF32, PREC)
+
+
+@triton.jit
+def _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, i_c, i_h, H, K,
+                   m_r, m_rk, p_k, p_t, bk, bT, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr,
+                   STORE_BWD: tl.constexpr, TM_MODE: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr,
+                   PREC: tl.constexpr):
+    """`_prepare_kernel`'s work on one chunk (gate tile b_w), in the centred regime if CENTRED."""
+    Gi, Ge, g_L = _cumsums_of(b_w)
     b_a = _load_rows(a + bk, p_k, m_rk)
-    if centred:
+    if CENTRED:
         e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
         b_Mak, b_Mab = _centred_a_side(b_a * e_a, _load_rows(k + bk, p_k, m_rk) * e_k,
                                        _load_rows(b + bk, p_k, m_rk) * e_k, BT, PREC)
     else:
         b_Mak, b_Mab = _pairwise_a_side(b_a, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi, Ge,
                                         BT, PREC)
+    # the q side before the inverse, which it does not depend on: its products then fill the latency of
+    # the inverse's serial chain (forward 0.695 -> 0.647 ms at B8 T2048 H16 K64 bf16, H100, session 7).
+    # The centred factors and the k, b tiles are formed again from the loads (cheaper than holding them)
+    b_q = _load_rows(q + bk, p_k, m_rk) * scale
+    if CENTRED:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k + bk, p_k, m_rk) * e_k,
+                                       _load_rows(b + bk, p_k, m_rk) * e_k, BT, LOWP, PREC)
+    else:
+        b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi,
+                                        BT, PREC)
+    if STORE_BWD:
+        tl.store(Mqb + bT + p_t, b_Mqb, mask=m_r)
     if TM_MODE == 2:
         b_Tm = tl.load(Tm + bT + p_t, mask=m_r, other=0.0)
     else:
@@ -368,18 +400,6 @@ def _prepare_kernel(
         tl.store(Wm + bk + p_k, b_W, mask=m_rk)
         tl.store(Gm + bT + p_t, b_G, mask=m_r)
 
-    # the q side: the factors and the k, b tiles are formed again here rather than held across the
-    # inverse (the a side's live tiles are what the inverse's products compete with for registers)
-    b_q = _load_rows(q + bk, p_k, m_rk) * scale
-    if centred:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        b_Mqk, b_Mqb = _centred_q_side(b_q * e_q, _load_rows(k + bk, p_k, m_rk) * e_k,
-                                       _load_rows(b + bk, p_k, m_rk) * e_k, BT, LOWP, PREC)
-    else:
-        b_Mqk, b_Mqb = _pairwise_q_side(b_q, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi,
-                                        BT, PREC)
-    if STORE_BWD:
-        tl.store(Mqb + bT + p_t, b_Mqb, mask=m_r)
     b_Q = b_q * tl.exp2(Gi) + mm_prec(b_Mqb, b_W, PREC)
     tl.store(Qs + bk + p_k, _cast(b_Q, Qs, LOWP), mask=m_rk)
     b_E = b_Mqk + mm_prec(b_Mqb, b_G, PREC)
@@ -650,45 +670,45 @@ def _bwd_wy_kernel(
 def _bwd_kb_kernel(
     q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale, regime,
     dw, dk, db,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, CENTRED: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """One chunk and head, column side: dk = state part + dM^qk, dM^ak columns, db = state part + dM^qb,
     dM^ab columns, then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last, γ = q dq + a da - k dk - b db."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-    centred = _centred_here(regime, i_c, i_h, H, CENTRED)
-    rows = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    incl = rows[:, None] >= rows[None, :]
-    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-    dMqk = tl.where(incl, _load_rows(dEb + bT, p_t, m_r), 0.0)
-    dMqb = _load_rows(dMqbb + bT, p_t, m_r)
-    dMak = _load_rows(dMakb + bT, p_t, m_r)
-    dMab = _load_rows(dMabb + bT, p_t, m_r)
-    b_q = _load_rows(q + bk, p_k, m_rk) * scale
-    b_a = _load_rows(a + bk, p_k, m_rk)
-    if centred:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        qc = b_q * e_q
-        ac = b_a * e_a
-        i_dk = (mm_tf32_if(tl.trans(dMqk), qc, TF32, PREC)
-                + mm_tf32_if(tl.trans(dMak), ac, TF32, PREC)) * e_k
-        i_db = (mm_tf32_if(tl.trans(dMqb), qc, TF32, PREC)
-                + mm_tf32_if(tl.trans(dMab), ac, TF32, PREC)) * e_k
-    else:
-        i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
-    b_dk = _load_rows(dks + bk, p_k, m_rk) + i_dk
-    b_db = _load_rows(dbs + bk, p_k, m_rk) + i_db
-    tl.store(dk + bk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
-    tl.store(db + bk + p_k, _cast(b_db, db, LOWP), mask=m_rk)
-    g_a = _load_rows(ga + bk, p_k, m_rk)
-    gam = _load_rows(gq + bk, p_k, m_rk) + g_a
-    gam -= _load_rows(k + bk, p_k, m_rk) * b_dk + _load_rows(b + bk, p_k, m_rk) * b_db
-    rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
-    g_last = tl.load(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
-    tl.store(dw + bk + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
+    if _regime_selected(regime, i_c, i_h, H, MODE):
+        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+        rows = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        incl = rows[:, None] >= rows[None, :]
+        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+        dMqk = tl.where(incl, _load_rows(dEb + bT, p_t, m_r), 0.0)
+        dMqb = _load_rows(dMqbb + bT, p_t, m_r)
+        dMak = _load_rows(dMakb + bT, p_t, m_r)
+        dMab = _load_rows(dMabb + bT, p_t, m_r)
+        b_q = _load_rows(q + bk, p_k, m_rk) * scale
+        b_a = _load_rows(a + bk, p_k, m_rk)
+        if MODE == 1:
+            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+            qc = b_q * e_q
+            ac = b_a * e_a
+            i_dk = (mm_tf32_if(tl.trans(dMqk), qc, TF32, PREC)
+                    + mm_tf32_if(tl.trans(dMak), ac, TF32, PREC)) * e_k
+            i_db = (mm_tf32_if(tl.trans(dMqb), qc, TF32, PREC)
+                    + mm_tf32_if(tl.trans(dMab), ac, TF32, PREC)) * e_k
+        else:
+            i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
+        b_dk = _load_rows(dks + bk, p_k, m_rk) + i_dk
+        b_db = _load_rows(dbs + bk, p_k, m_rk) + i_db
+        tl.store(dk + bk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
+        tl.store(db + bk + p_k, _cast(b_db, db, LOWP), mask=m_rk)
+        g_a = _load_rows(ga + bk, p_k, m_rk)
+        gam = _load_rows(gq + bk, p_k, m_rk) + g_a
+        gam -= _load_rows(k + bk, p_k, m_rk) * b_dk + _load_rows(b + bk, p_k, m_rk) * b_db
+        rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
+        g_last = tl.load(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
+        tl.store(dw + bk + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -743,8 +763,8 @@ class _Plan:
         self.centred = bt_centred is not None
         self.BT = bt_centred if self.centred else 16
         self.lower_bound = float(gate_lower_bound) if self.centred else 0.0
-        # launches of `_bwd_q` and `_bwd_wy` (`_regime_selected`): the centred chunks, then those that break
-        # the bound; the other per-chunk kernels branch per chunk (`_centred_here`)
+        # launches of the per-chunk kernels that depend on the regime (`_regime_selected`): the centred
+        # chunks, then those that break the bound
         self.modes = (1, 2) if self.centred else (0,)
         self.cu, self.chunk_info, self.chunk_offsets, self.N = _chunk_layout(B, T, self.BT, cu_seqlens, r.device)
         self.NT = self.chunk_info.shape[0]
@@ -765,14 +785,17 @@ class _Plan:
         # K64 bf16: fwd+bwd 4.45 -> 3.85 ms, with the trained head's errors against fp64 unchanged to
         # two digits (o 2.64e-3, dw 2.97e-3 -> 2.89e-3; session 6, call 1)
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
-        # register cap (ptxas maxnreg) of `_bwd_q` and `_bwd_state` at head dims <= 64, where the per-chunk
-        # kernels run at 2 programs per SM with 255 registers: 168 lets them run 3 per SM and spill a little,
-        # 12-17% faster each on the H100; it slowed `_bwd_wy`, `_bwd_kb` and `_prepare` (session 6, calls 1, 4)
+        # register cap (ptxas maxnreg) of `_prepare`, `_bwd_q`, `_bwd_state` and `_bwd_kb` at head dims <= 64,
+        # where the per-chunk kernels run at 2 programs per SM with 255 registers: 168 lets them run 3 per SM
+        # and spill a little, 12-17% faster each on the H100 (session 6); once `_prepare` and `_bwd_kb`
+        # launched once per regime, 7% and 16% faster for them too (0.85 -> 0.79 and 0.44 -> 0.37 ms per
+        # fwd+bwd, session 7). It slows `_bwd_wy` (0.40 -> 0.46).
         self.maxnreg = 168 if self.BK <= 64 else None
-        # `_bwd_q` and `_bwd_state` loop over V blocks: 2 pipeline stages (prefetch the next block's S, dO, V)
-        # made them 11% and 5% faster there (H100, session 6, call 2); 1 stage at larger head dims, whose
-        # tiles already fill shared memory
-        self.bwd_stages = 2 if self.BK <= 64 else 1
+        # `_bwd_q` and `_bwd_state` loop over V blocks: pipeline stages (prefetch the next block's S, dO, V)
+        # at head dims <= 64: 2 made them 11% and 5% faster (H100, session 6), 3 `_bwd_q` 5% faster again
+        # and `_bwd_state` 15% slower (session 7); 1 stage at larger head dims, whose tiles already fill
+        # shared memory
+        self.stages_q, self.stages_state = (3, 2) if self.BK <= 64 else (1, 1)
         # bf16 operands (fp32 accumulation) for the products outside the state recurrence, the a-side
         # intra products and the WY inverse and backward (`_dot`; emulated under the interpreter)
         self.lowp = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
@@ -809,14 +832,15 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd, keep_tm, tm=None):
         out["Tm"] = tm
     elif keep_tm:
         out["Tm"] = torch.empty(B, T, H, BT, **f32)
-    _prepare_kernel[(plan.NT, H)](
-        q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
-        out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
-        out["Qs"], out["Es"], out["Cs"], out["As"], out["regime"],
-        H=H, K=K, BT=BT, BK=plan.BK, CENTRED=plan.centred, STORE_BWD=store_bwd,
-        TM_MODE=2 if tm is not None else int(keep_tm), LOWP=plan.lowp, TF32=plan.tf32, PREC=plan.prec,
-        num_warps=WARPS_CHUNK, num_stages=1,
-    )
+    for mode in plan.modes:
+        _prepare_kernel[(plan.NT, H)](
+            q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
+            out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
+            out["Qs"], out["Es"], out["Cs"], out["As"], out["regime"],
+            H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd,
+            TM_MODE=2 if tm is not None else int(keep_tm), LOWP=plan.lowp, TF32=plan.tf32, PREC=plan.prec,
+            num_warps=WARPS_CHUNK, num_stages=1, maxnreg=plan.maxnreg,
+        )
     return out
 
 
@@ -838,16 +862,17 @@ def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
         _bwd_q_kernel[grid](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu, plan.chunk_info, scale,
                             pre["regime"], dq, dEb, dMqbb, gq, dWb, dGb,
                             V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, maxnreg=plan.maxnreg,
-                            num_stages=plan.bwd_stages, **common)
+                            num_stages=plan.stages_q, **common)
     _bwd_state_kernel[grid](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu, plan.chunk_info,
                             dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32,
-                            maxnreg=plan.maxnreg, num_stages=plan.bwd_stages, **common)
+                            maxnreg=plan.maxnreg, num_stages=plan.stages_state, **common)
     for mode in plan.modes:
         _bwd_wy_kernel[grid](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info, pre["regime"],
                              da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, num_stages=1, **common)
-    _bwd_kb_kernel[grid](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
-                         plan.chunk_info, scale, pre["regime"], dw, dk, db, CENTRED=plan.centred, LOWP=plan.lowp,
-                         TF32=plan.tf32, num_stages=1, **common)
+    for mode in plan.modes:
+        _bwd_kb_kernel[grid](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
+                             plan.chunk_info, scale, pre["regime"], dw, dk, db, MODE=mode, LOWP=plan.lowp,
+                             TF32=plan.tf32, maxnreg=plan.maxnreg, num_stages=1, **common)
     return dq, dw, dk, da, db
 
 

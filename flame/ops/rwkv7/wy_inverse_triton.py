@@ -5,7 +5,8 @@ inverse of the block-diagonal part of one level (blocks of size s) and L_o the b
 below D's blocks within each merged block of size 2s, then
     (I - L)^-1 on the merged blocks = D + D L_o D
 because (I - L) = (I - L_d)(I - D L_o) and (D L_o)^2 = 0 within one merge level. log2(BT) levels of
-two products each, starting from D = I (the 1x1 blocks of I - L are 1).
+two products each, starting from D = I (the 1x1 blocks of I - L are 1), so that the first level is
+I + L_o itself, formed by a select (exact, and two products shorter on the serial chain).
 
 Why not the nilpotent product (I + L_d)(I + L_d^2)(I + L_d^4)(I + L_d^8) on 16x16 blocks (kernels.md
 2.2, fewer products): with the trained RWKV7-340M head's aligned kappa, |M^ab| reaches 0.82 and the
@@ -31,8 +32,9 @@ def _block_doubling_inverse(L, BT: tl.constexpr, TF32: tl.constexpr, PREC: tl.co
     """(I - L)^-1 by block merges from 1x1 blocks up, every product mm_tf32_if(TF32, PREC)."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    Tm = tl.where(rows == cols, 1.0, 0.0)
-    for lvl in tl.static_range(0, 7):
+    # level 0 (1x1 -> 2x2 blocks) needs no product: from D = I, D + D L_o D = I + L_o, taken exactly
+    Tm = tl.where(rows == cols, 1.0, tl.where((rows // 2 == cols // 2) & (rows != cols), L, 0.0))
+    for lvl in tl.static_range(1, 7):
         if (1 << lvl) < BT:
             # the blocks of this level below the diagonal of their merged (twice as large) block
             Lo = tl.where((rows // (2 << lvl) == cols // (2 << lvl)) & (rows // (1 << lvl) != cols // (1 << lvl)),
@@ -48,7 +50,7 @@ def unit_lower_inverse(L, BT: tl.constexpr, TF32: tl.constexpr, PREC: tl.constex
     TF32 0: every product `mm_prec` at PREC. TF32 1 (2: emulated under the interpreter): the merges in
     one TF32 pass, then one Newton step T1 = T0 + T0 R with the residual R = I - (I - L) T0 from one
     PREC product: R is of the size of T0's TF32 error, so its one-pass product T0 R adds only that
-    error squared. At BT = 32: 14 passes of [BT, BT] products instead of 30. On the trained head's
+    error squared. At BT = 32: 12 passes of [BT, BT] products instead of 24. On the trained head's
     aligned chunks the result is within 7e-7 of fp64 with a 3xTF32 residual and 1.1e-5 with the bf16x3
     one that 16-bit inputs use (tests/ops/test_rwkv7_triton.py); the 3xTF32 residual made the WY kernel
     6% slower on the H100 and left the trained head's outputs and gradients unchanged (session 6)."""

@@ -8,11 +8,18 @@ specialization to a cubin with Triton's own compiler and ptxas for sm_90.
 
 Run as a script, in a process without TRITON_INTERPRET (which turns @triton.jit into Python):
     python -m tests.ops.sm90_compile CASE      (CASE: a name of CASES)
-It prints one line per compiled kernel and exits non-zero when any of them fails.
+It prints one line per compiled kernel, with its registers per thread, spills and shared memory as
+ptxas reports them for sm_90 (a way to see a kernel change's register cost without a GPU), and exits
+non-zero when any of them fails. Like Triton's launcher, it marks the pointers and the integer
+arguments that are multiples of 16 as such (`tt.divisibility`): without that hint the loads come out
+scalar and the register counts overstated.
 """
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -46,41 +53,62 @@ def record_launches():
 
 
 def specialization(kernel, values):
-    """Triton's signature and constexprs for one launch: tensors by dtype, None as a constexpr."""
-    signature, constexprs = {}, {}
-    for p in kernel.params:
+    """Triton's signature, constexprs and divisibility attributes for one launch: tensors by dtype, None
+    as a constexpr, 16-byte aligned pointers and integers that are multiples of 16 marked divisible."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
         v = values[p.name]
         if p.is_constexpr or v is None:
             signature[p.name] = "constexpr"
             constexprs[p.name] = v
         elif isinstance(v, torch.Tensor):
             signature[p.name] = POINTER_TYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, bool):
             signature[p.name] = "i1"
         elif isinstance(v, int):
             signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             signature[p.name] = "fp32"
         else:
             raise TypeError(f"{kernel.__name__}: argument {p.name} of type {type(v).__name__}")
-    return signature, constexprs
+    return signature, constexprs, attrs
+
+
+def resources(compiled):
+    """'R registers, S B spilled, M B shared' of a compiled kernel, from cuobjdump on its cubin."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        try:
+            out = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                                 text=True).stdout
+        except OSError as e:  # a Triton build without NVIDIA's tools: the compile itself still counts
+            return f"resources unknown ({e})"
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
+    regs, stack = found.groups() if found else ("?", "?")
+    return f"{regs} registers, {stack} B spilled, {compiled.metadata.shared} B shared"
 
 
 def compile_all(launches):
     """Compile each distinct launch for sm_90; returns the number of failures (printed)."""
     seen, failures = set(), 0
     for kernel, values, options in launches:
-        signature, constexprs = specialization(kernel, values)
+        signature, constexprs, attrs = specialization(kernel, values)
         key = (kernel.__name__, tuple(sorted(signature.items())), repr(sorted(constexprs.items())),
-               tuple(sorted(options.items())))
+               tuple(sorted(attrs)), tuple(sorted(options.items())))
         if key in seen:
             continue
         seen.add(key)
         label = f"{kernel.__name__} {constexprs} {options}"
         try:
-            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=H100,
-                           options=options)
-            print(f"ok   {label}")
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                                      target=H100, options=options)
+            print(f"ok   {label}: {resources(compiled)}")
         except Exception as e:  # the compiler's message names the kernel line
             failures += 1
             print(f"FAIL {label}: {type(e).__name__}: {e}")

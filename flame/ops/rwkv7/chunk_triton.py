@@ -10,9 +10,9 @@ every factor is an exp2 of a non-positive number) and Γ̄ the exclusive one:
 
 A chunk is therefore one linear map of (S^in, V) with four per-chunk matrices that do not depend on
 the state, which `_prepare` computes in parallel over all chunks, in one kernel (`_prepare_kernel`:
-M^ak, M^ab, Tm, W, G, then M^qk, M^qb and the four maps; W and G stay in registers unless the
-backward needs them, which made the forward 9% faster than two kernels passing them through global
-memory, session 6):
+M^ak, M^ab, M^qk, M^qb, Tm, W, G, then the four maps; W and G stay in registers unless the backward
+needs them, which made the forward 9% faster than two kernels passing them through global memory,
+session 6; launched once per intra regime, see below):
 
     O     = Q' S^in + E V          Q' = Q̂ + M^qb W            [BT, K]
     S^out = A S^in + C^T V         E  = M^qk + M^qb G          [BT, BT]
@@ -294,7 +294,7 @@ def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
     `_bwd_wy` 15-50% slower on an H100, from register spills), whether this launch takes chunk i_c of
     head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk (exact regime); 1: the
     centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at the centred chunk
-    size). A launch whose chunks all belong to the other regime costs ~10 us (a byte per program)."""
+    size)."""
     if MODE == 0:  # (no regime record then: the other branch must not be compiled)
         return True
     else:
@@ -306,11 +306,23 @@ def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_tile(cu_seqlens, chunk_info, H, K, BT: tl.constexpr, BK: tl.constexpr):
-    """This program's chunk and head: row masks, the [BT, BK] offsets of K-wide and the [BT, BT] offsets
-    of BT-wide token-major tensors from the chunk's first row, and those first rows' offsets bk, bT."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+def _fallback_heads(regime, i_c, H, HP: tl.constexpr):
+    """How many heads a program of an exact-fallback launch (MODE 2) visits for chunk i_c: H when the
+    chunk's regime row (H bytes, one vector load) has an exact head, else 0. Those launches run one
+    program per chunk that visits its heads itself: a (chunks, heads) grid of programs that mostly
+    return at once cost ~11 us per launch, 0.054 ms per fwd+bwd over the five such launches (H100, B8
+    T2048 H16; session 7, call G). The visiting program serializes the exact chunks of up to H heads,
+    which costs little where the grid has a few waves of chunks already. The centred launches keep one
+    program per chunk and head, without a loop (a loop around their body made ptxas spill more)."""
+    o_h = tl.arange(0, HP)
+    row = tl.load(regime + i_c.to(tl.int64) * H + o_h, mask=o_h < H, other=1)
+    return tl.where(tl.min(row.to(tl.int32)) == 0, H, 0)
+
+
+@triton.jit
+def _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT: tl.constexpr, BK: tl.constexpr):
+    """Chunk i_c of head i_h: row masks, the [BT, BK] offsets of K-wide and the [BT, BT] offsets of
+    BT-wide token-major tensors from the chunk's first row, and those first rows' offsets bk, bT."""
     t0, eos = _chunk_bounds(cu_seqlens, chunk_info, i_c, BT)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -329,7 +341,7 @@ def _prepare_kernel(
     q, w, k, a, b, cu_seqlens, chunk_info, scale, lower_bound,
     Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, regime,
     H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, STORE_BWD: tl.constexpr, TM_MODE: tl.constexpr,
-    LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr,
+    LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, HP: tl.constexpr,
 ):
     """One chunk and head: M^ak, M^ab, the WY inverse Tm, W = Tm Â and G = Tm M^ak, then M^qk, M^qb and
     the four chunk matrices Q', E, A, C of the scans. With STORE_BWD also W, G, M^ak and M^qb (fp32) for
@@ -342,21 +354,28 @@ def _prepare_kernel(
     holding both paths spilled 224 bytes per thread at 255 registers (ptxas, sm_90), the centred path
     alone none."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
     if MODE == 1:
-        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+        i_h = tl.program_id(1)
+        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
         b_w = _load_rows(w + bk, p_k, m_rk)
         centred = _gates_keep_bound(b_w, m_rk, lower_bound)
         tl.store(regime + i_c.to(tl.int64) * H + i_h, centred.to(tl.int8))
         if centred:
             _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, i_c, i_h, H, K,
                            m_r, m_rk, p_k, p_t, bk, bT, BT, BK, True, STORE_BWD, TM_MODE, LOWP, TF32, PREC)
+    elif MODE == 2:
+        for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
+            if _regime_selected(regime, i_c, i_h, H, MODE):
+                t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
+                b_w = _load_rows(w + bk, p_k, m_rk)
+                _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, i_c, i_h, H, K,
+                               m_r, m_rk, p_k, p_t, bk, bT, BT, BK, False, STORE_BWD, TM_MODE, LOWP, TF32, PREC)
     else:
-        if _regime_selected(regime, i_c, i_h, H, MODE):
-            t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-            b_w = _load_rows(w + bk, p_k, m_rk)
-            _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, i_c, i_h, H, K,
-                           m_r, m_rk, p_k, p_t, bk, bT, BT, BK, False, STORE_BWD, TM_MODE, LOWP, TF32, PREC)
+        i_h = tl.program_id(1)
+        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
+        b_w = _load_rows(w + bk, p_k, m_rk)
+        _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As, i_c, i_h, H, K,
+                       m_r, m_rk, p_k, p_t, bk, bT, BT, BK, False, STORE_BWD, TM_MODE, LOWP, TF32, PREC)
 
 
 @triton.jit
@@ -538,47 +557,62 @@ def _bwd_q_kernel(
     q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime,
     dq, dEb, dMqbb, gq, dWb, dGb,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr,
-    TF32: tl.constexpr, PREC: tl.constexpr,
+    TF32: tl.constexpr, PREC: tl.constexpr, HP: tl.constexpr,
 ):
     """One chunk and head, output side: dQ' = dO S^T and dE = dO V^T (reductions over V), then
     dM^qb = incl(dQ' W^T + dE G^T), the Q', E parts of dW = M^qb^T dQ' and dG = M^qb^T dE, dq (dQ̂ e^Γ +
     the row side of dM^qk = incl(dE) and dM^qb) and its I2 term q dq. Stores dE, dM^qb, those parts
     of dW and dG, and q dq (fp32) for the next kernels."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if _regime_selected(regime, i_c, i_h, H, MODE):
-        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-        rows = tl.arange(0, BT)
-        incl = rows[:, None] >= rows[None, :]
-        dQ = tl.zeros([BT, BK], dtype=tl.float32)
-        dE = tl.zeros([BT, BT], dtype=tl.float32)
-        h_base = (i_c.to(tl.int64) * H + i_h) * K * V
-        bv = (t0 * H + i_h) * V
-        for i_v in range(0, tl.cdiv(V, BV)):
-            s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
-            S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
-            b_do = _load_rows(do + bv, p_v, m_r & m_v)
-            dQ += mm_tf32_if(b_do, tl.trans(S), TF32, PREC)
-            dE += mm_tf32_if(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), TF32, PREC)
-        tl.store(dEb + bT + p_t, dE, mask=m_r)
-        b_Mqb = _load_rows(Mqb + bT, p_t, m_r)
-        tl.store(dWb + bk + p_k, mm_prec(tl.trans(b_Mqb), dQ, PREC), mask=m_rk)
-        tl.store(dGb + bT + p_t, mm_prec(tl.trans(b_Mqb), dE, PREC), mask=m_r)
-        dMqb = tl.where(incl, mm_prec(dQ, tl.trans(_load_rows(Wm + bk, p_k, m_rk)), PREC)
-                        + mm_prec(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), PREC), 0.0)
-        tl.store(dMqbb + bT + p_t, dMqb, mask=m_r)
-        dMqk = tl.where(incl, dE, 0.0)
-        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-        if MODE == 1:
-            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            i_dq = (mm_prec(dMqk, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
-                    + mm_prec(dMqb, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_q
-        else:
-            i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k + bk, p_k, m_rk), dMqb, _load_rows(b + bk, p_k, m_rk), Gi, Gi,
-                                      False, BT, BK, PREC)
-        b_dq = dQ * tl.exp2(Gi) + i_dq
-        tl.store(dq + bk + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
-        tl.store(gq + bk + p_k, _load_rows(q + bk, p_k, m_rk) * scale * b_dq, mask=m_rk)
+    if MODE == 2:
+        for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
+            if _regime_selected(regime, i_c, i_h, H, MODE):
+                _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime, dq, dEb,
+                             dMqbb, gq, dWb, dGb, H, K, V, BT, BK, BV, MODE, LOWP, TF32, PREC, i_c, i_h)
+    else:
+        i_h = tl.program_id(1)
+        if _regime_selected(regime, i_c, i_h, H, MODE):
+            _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime, dq, dEb, dMqbb,
+                         gq, dWb, dGb, H, K, V, BT, BK, BV, MODE, LOWP, TF32, PREC, i_c, i_h)
+
+
+@triton.jit
+def _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime, dq, dEb, dMqbb, gq,
+                 dWb, dGb, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr,
+                 LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
+    """`_bwd_q_kernel`'s work on chunk i_c of head i_h."""
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
+    rows = tl.arange(0, BT)
+    incl = rows[:, None] >= rows[None, :]
+    dQ = tl.zeros([BT, BK], dtype=tl.float32)
+    dE = tl.zeros([BT, BT], dtype=tl.float32)
+    h_base = (i_c.to(tl.int64) * H + i_h) * K * V
+    bv = (t0 * H + i_h) * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
+        S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
+        b_do = _load_rows(do + bv, p_v, m_r & m_v)
+        dQ += mm_tf32_if(b_do, tl.trans(S), TF32, PREC)
+        dE += mm_tf32_if(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), TF32, PREC)
+    tl.store(dEb + bT + p_t, dE, mask=m_r)
+    b_Mqb = _load_rows(Mqb + bT, p_t, m_r)
+    tl.store(dWb + bk + p_k, mm_prec(tl.trans(b_Mqb), dQ, PREC), mask=m_rk)
+    tl.store(dGb + bT + p_t, mm_prec(tl.trans(b_Mqb), dE, PREC), mask=m_r)
+    dMqb = tl.where(incl, mm_prec(dQ, tl.trans(_load_rows(Wm + bk, p_k, m_rk)), PREC)
+                    + mm_prec(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), PREC), 0.0)
+    tl.store(dMqbb + bT + p_t, dMqb, mask=m_r)
+    dMqk = tl.where(incl, dE, 0.0)
+    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    if MODE == 1:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        i_dq = (mm_prec(dMqk, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
+                + mm_prec(dMqb, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_q
+    else:
+        i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k + bk, p_k, m_rk), dMqb, _load_rows(b + bk, p_k, m_rk), Gi, Gi,
+                                  False, BT, BK, PREC)
+    b_dq = dQ * tl.exp2(Gi) + i_dq
+    tl.store(dq + bk + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
+    tl.store(gq + bk + p_k, _load_rows(q + bk, p_k, m_rk) * scale * b_dq, mask=m_rk)
 
 
 @triton.jit
@@ -593,7 +627,7 @@ def _bwd_state_kernel(
     the chunk-total gate term of I2."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     o_k = tl.arange(0, BK)
     dA = tl.zeros([BK, BK], dtype=tl.float32)
     dC = tl.zeros([BT, BK], dtype=tl.float32)
@@ -630,40 +664,56 @@ def _bwd_wy_kernel(
     w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime,
     da, ga, dMakb, dMabb,
     H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    HP: tl.constexpr,
 ):
     """One chunk and head, the WY backward (W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1):
     dTm = dG M^ak^T + dW Â^T, dM^ak = strict(Tm^T dG), dÂ = Tm^T dW, dM^ab = strict(Tm^T dTm Tm^T),
     then da (dÂ e^Γ̄ + the row side of dM^ak, dM^ab) and its I2 term a da."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if _regime_selected(regime, i_c, i_h, H, MODE):
-        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-        rows = tl.arange(0, BT)
-        strict = rows[:, None] > rows[None, :]
-        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-        b_Tm = tl.load(Tm + bT + p_t, mask=m_r, other=0.0)
-        dG = _load_rows(dGb + bT, p_t, m_r)
-        dW = _load_rows(dWb + bk, p_k, m_rk)
-        e_Ge = tl.exp2(Ge)
-        b_a = _load_rows(a + bk, p_k, m_rk)
-        dTm = mm_prec(dG, tl.trans(_load_rows(Mak + bT, p_t, m_r)), PREC) \
-            + mm_prec(dW, tl.trans(b_a * e_Ge), PREC)
-        dMak = tl.where(strict, mm_prec(tl.trans(b_Tm), dG, PREC), 0.0)
-        tl.store(dMakb + bT + p_t, dMak, mask=m_r)
-        dAh = mm_prec(tl.trans(b_Tm), dW, PREC)
-        dMab = mm_prec(mm_prec(tl.trans(b_Tm), dTm, PREC), tl.trans(b_Tm), PREC)
-        dMab = tl.where(strict, dMab, 0.0)
-        tl.store(dMabb + bT + p_t, dMab, mask=m_r)
-        if MODE == 1:
-            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            i_da = (mm_prec(dMak, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
-                    + mm_prec(dMab, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_a
-        else:
-            i_da = _pairwise_rows_bwd(dMak, _load_rows(k + bk, p_k, m_rk), dMab, _load_rows(b + bk, p_k, m_rk), Ge, Gi,
-                                      True, BT, BK, PREC)
-        b_da = dAh * e_Ge + i_da
-        tl.store(da + bk + p_k, _cast(b_da, da, LOWP), mask=m_rk)
-        tl.store(ga + bk + p_k, b_a * b_da, mask=m_rk)
+    if MODE == 2:
+        for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
+            if _regime_selected(regime, i_c, i_h, H, MODE):
+                _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime, da, ga, dMakb, dMabb,
+                              H, K, BT, BK, MODE, LOWP, PREC, i_c, i_h)
+    else:
+        i_h = tl.program_id(1)
+        if _regime_selected(regime, i_c, i_h, H, MODE):
+            _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime, da, ga, dMakb, dMabb, H,
+                          K, BT, BK, MODE, LOWP, PREC, i_c, i_h)
+
+
+@triton.jit
+def _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime, da, ga, dMakb, dMabb, H, K,
+                  BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                  i_c, i_h):
+    """`_bwd_wy_kernel`'s work on chunk i_c of head i_h."""
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
+    rows = tl.arange(0, BT)
+    strict = rows[:, None] > rows[None, :]
+    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    b_Tm = tl.load(Tm + bT + p_t, mask=m_r, other=0.0)
+    dG = _load_rows(dGb + bT, p_t, m_r)
+    dW = _load_rows(dWb + bk, p_k, m_rk)
+    e_Ge = tl.exp2(Ge)
+    b_a = _load_rows(a + bk, p_k, m_rk)
+    dTm = mm_prec(dG, tl.trans(_load_rows(Mak + bT, p_t, m_r)), PREC) \
+        + mm_prec(dW, tl.trans(b_a * e_Ge), PREC)
+    dMak = tl.where(strict, mm_prec(tl.trans(b_Tm), dG, PREC), 0.0)
+    tl.store(dMakb + bT + p_t, dMak, mask=m_r)
+    dAh = mm_prec(tl.trans(b_Tm), dW, PREC)
+    dMab = mm_prec(mm_prec(tl.trans(b_Tm), dTm, PREC), tl.trans(b_Tm), PREC)
+    dMab = tl.where(strict, dMab, 0.0)
+    tl.store(dMabb + bT + p_t, dMab, mask=m_r)
+    if MODE == 1:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        i_da = (mm_prec(dMak, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
+                + mm_prec(dMab, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_a
+    else:
+        i_da = _pairwise_rows_bwd(dMak, _load_rows(k + bk, p_k, m_rk), dMab, _load_rows(b + bk, p_k, m_rk), Ge, Gi,
+                                  True, BT, BK, PREC)
+    b_da = dAh * e_Ge + i_da
+    tl.store(da + bk + p_k, _cast(b_da, da, LOWP), mask=m_rk)
+    tl.store(ga + bk + p_k, b_a * b_da, mask=m_rk)
 
 
 @triton.jit
@@ -671,44 +721,59 @@ def _bwd_kb_kernel(
     q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale, regime,
     dw, dk, db,
     H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, HP: tl.constexpr,
 ):
     """One chunk and head, column side: dk = state part + dM^qk, dM^ak columns, db = state part + dM^qb,
     dM^ab columns, then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last, γ = q dq + a da - k dk - b db."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    if _regime_selected(regime, i_c, i_h, H, MODE):
-        t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, H, K, BT, BK)
-        rows = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        incl = rows[:, None] >= rows[None, :]
-        Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-        dMqk = tl.where(incl, _load_rows(dEb + bT, p_t, m_r), 0.0)
-        dMqb = _load_rows(dMqbb + bT, p_t, m_r)
-        dMak = _load_rows(dMakb + bT, p_t, m_r)
-        dMab = _load_rows(dMabb + bT, p_t, m_r)
-        b_q = _load_rows(q + bk, p_k, m_rk) * scale
-        b_a = _load_rows(a + bk, p_k, m_rk)
-        if MODE == 1:
-            e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-            qc = b_q * e_q
-            ac = b_a * e_a
-            i_dk = (mm_tf32_if(tl.trans(dMqk), qc, TF32, PREC)
-                    + mm_tf32_if(tl.trans(dMak), ac, TF32, PREC)) * e_k
-            i_db = (mm_tf32_if(tl.trans(dMqb), qc, TF32, PREC)
-                    + mm_tf32_if(tl.trans(dMab), ac, TF32, PREC)) * e_k
-        else:
-            i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
-        b_dk = _load_rows(dks + bk, p_k, m_rk) + i_dk
-        b_db = _load_rows(dbs + bk, p_k, m_rk) + i_db
-        tl.store(dk + bk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
-        tl.store(db + bk + p_k, _cast(b_db, db, LOWP), mask=m_rk)
-        g_a = _load_rows(ga + bk, p_k, m_rk)
-        gam = _load_rows(gq + bk, p_k, m_rk) + g_a
-        gam -= _load_rows(k + bk, p_k, m_rk) * b_dk + _load_rows(b + bk, p_k, m_rk) * b_db
-        rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
-        g_last = tl.load(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
-        tl.store(dw + bk + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
+    if MODE == 2:
+        for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
+            if _regime_selected(regime, i_c, i_h, H, MODE):
+                _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens,
+                              chunk_info, scale, regime, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
+    else:
+        i_h = tl.program_id(1)
+        if _regime_selected(regime, i_c, i_h, H, MODE):
+            _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info,
+                          scale, regime, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
+
+
+@triton.jit
+def _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale,
+                  regime, dw, dk, db, H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+                  LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
+    """`_bwd_kb_kernel`'s work on chunk i_c of head i_h."""
+    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    incl = rows[:, None] >= rows[None, :]
+    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    dMqk = tl.where(incl, _load_rows(dEb + bT, p_t, m_r), 0.0)
+    dMqb = _load_rows(dMqbb + bT, p_t, m_r)
+    dMak = _load_rows(dMakb + bT, p_t, m_r)
+    dMab = _load_rows(dMabb + bT, p_t, m_r)
+    b_q = _load_rows(q + bk, p_k, m_rk) * scale
+    b_a = _load_rows(a + bk, p_k, m_rk)
+    if MODE == 1:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        qc = b_q * e_q
+        ac = b_a * e_a
+        i_dk = (mm_tf32_if(tl.trans(dMqk), qc, TF32, PREC)
+                + mm_tf32_if(tl.trans(dMak), ac, TF32, PREC)) * e_k
+        i_db = (mm_tf32_if(tl.trans(dMqb), qc, TF32, PREC)
+                + mm_tf32_if(tl.trans(dMab), ac, TF32, PREC)) * e_k
+    else:
+        i_dk, i_db = _pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
+    b_dk = _load_rows(dks + bk, p_k, m_rk) + i_dk
+    b_db = _load_rows(dbs + bk, p_k, m_rk) + i_db
+    tl.store(dk + bk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
+    tl.store(db + bk + p_k, _cast(b_db, db, LOWP), mask=m_rk)
+    g_a = _load_rows(ga + bk, p_k, m_rk)
+    gam = _load_rows(gq + bk, p_k, m_rk) + g_a
+    gam -= _load_rows(k + bk, p_k, m_rk) * b_dk + _load_rows(b + bk, p_k, m_rk) * b_db
+    rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
+    g_last = tl.load(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
+    tl.store(dw + bk + p_k, _cast(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -766,6 +831,7 @@ class _Plan:
         # launches of the per-chunk kernels that depend on the regime (`_regime_selected`): the centred
         # chunks, then those that break the bound
         self.modes = (1, 2) if self.centred else (0,)
+        self.HP = triton.next_power_of_2(H)  # the regime row of a chunk, one vector load (`_fallback_heads`)
         self.cu, self.chunk_info, self.chunk_offsets, self.N = _chunk_layout(B, T, self.BT, cu_seqlens, r.device)
         self.NT = self.chunk_info.shape[0]
         self.BV = _scan_block_v(self.N, H, V)
@@ -813,6 +879,11 @@ class _Plan:
         # against 3xTF32 products, session 5; they are bf16x3 now, see prec.)
         self.tf32 = self.lowp  # the same switch: bf16 inputs, 1 on a GPU, 2 emulated under the interpreter
 
+    def grid(self, mode):
+        """The grid of a per-regime kernel's launch: (chunks, heads), or (chunks, 1) for the exact fallback
+        after the centred launch, whose programs visit a chunk's heads themselves (`_fallback_heads`)."""
+        return (self.NT, 1) if mode == 2 else (self.NT, self.H)
+
 
 def _prepare(plan, q, w, k, a, b, scale, store_bwd, keep_tm, tm=None):
     """The per-chunk matrices of the scans (Q', E, C in plan.scan_dtype, A fp32) and, in the centred regime,
@@ -833,13 +904,13 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd, keep_tm, tm=None):
     elif keep_tm:
         out["Tm"] = torch.empty(B, T, H, BT, **f32)
     for mode in plan.modes:
-        _prepare_kernel[(plan.NT, H)](
+        _prepare_kernel[plan.grid(mode)](
             q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
             out.get("Wm"), out.get("Gm"), out.get("Tm"), out.get("Mak"), out.get("Mqb"),
             out["Qs"], out["Es"], out["Cs"], out["As"], out["regime"],
             H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd,
             TM_MODE=2 if tm is not None else int(keep_tm), LOWP=plan.lowp, TF32=plan.tf32, PREC=plan.prec,
-            num_warps=WARPS_CHUNK, num_stages=1, maxnreg=plan.maxnreg,
+            HP=plan.HP, num_warps=WARPS_CHUNK, num_stages=1, maxnreg=plan.maxnreg,
         )
     return out
 
@@ -856,23 +927,23 @@ def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
     dEb, dMqbb, dGb, dMakb, dMabb = per_t(), per_t(), per_t(), per_t(), per_t()
     glast = torch.empty(plan.NT, H, K, **f32)
     dq, dw, dk, da, db = (torch.empty_like(x) for x in (q, w, k, a, b))
-    grid = (plan.NT, H)
     common = dict(H=H, K=K, BT=BT, BK=plan.BK, PREC=plan.prec, num_warps=WARPS_CHUNK)
     for mode in plan.modes:
-        _bwd_q_kernel[grid](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu, plan.chunk_info, scale,
-                            pre["regime"], dq, dEb, dMqbb, gq, dWb, dGb,
-                            V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, maxnreg=plan.maxnreg,
-                            num_stages=plan.stages_q, **common)
-    _bwd_state_kernel[grid](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu, plan.chunk_info,
-                            dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32,
-                            maxnreg=plan.maxnreg, num_stages=plan.stages_state, **common)
+        _bwd_q_kernel[plan.grid(mode)](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu,
+                                       plan.chunk_info, scale, pre["regime"], dq, dEb, dMqbb, gq, dWb, dGb,
+                                       V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, HP=plan.HP,
+                                       maxnreg=plan.maxnreg, num_stages=plan.stages_q, **common)
+    _bwd_state_kernel[(plan.NT, H)](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu, plan.chunk_info,
+                                    dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32,
+                                    maxnreg=plan.maxnreg, num_stages=plan.stages_state, **common)
     for mode in plan.modes:
-        _bwd_wy_kernel[grid](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info, pre["regime"],
-                             da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, num_stages=1, **common)
+        _bwd_wy_kernel[plan.grid(mode)](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info,
+                                        pre["regime"], da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, HP=plan.HP,
+                                        num_stages=1, **common)
     for mode in plan.modes:
-        _bwd_kb_kernel[grid](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
-                             plan.chunk_info, scale, pre["regime"], dw, dk, db, MODE=mode, LOWP=plan.lowp,
-                             TF32=plan.tf32, maxnreg=plan.maxnreg, num_stages=1, **common)
+        _bwd_kb_kernel[plan.grid(mode)](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
+                                        plan.chunk_info, scale, pre["regime"], dw, dk, db, MODE=mode, LOWP=plan.lowp,
+                                        TF32=plan.tf32, HP=plan.HP, maxnreg=plan.maxnreg, num_stages=1, **common)
     return dq, dw, dk, da, db
 
 

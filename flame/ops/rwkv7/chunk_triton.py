@@ -1013,7 +1013,7 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     backward: ~20 GB over rwkv7_340M's 24 layers at its batch of 16 without activation checkpointing,
     which an 80 GB GPU does not have to spare. Off: the backward recomputes them (`_prepare_kernel` once
     more) from the WY inverse Tm alone, which the forward keeps (C fp32 per token and head: 128 bytes at
-    C = 32; it saved 0.1 ms of recomputation): fwd+bwd 2.83-2.85 ms against 2.55-2.56 cached at B8 T2048
+    C = 32; it saved 0.1 ms of recomputation): fwd+bwd 2.79-2.80 ms against 2.52 cached at B8 T2048
     H16 K64 bf16 on the H100 (session 7).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """

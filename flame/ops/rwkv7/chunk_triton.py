@@ -567,17 +567,17 @@ def _bwd_q_kernel(
     if MODE == 2:
         for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
             if _regime_selected(regime, i_c, i_h, H, MODE):
-                _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime, dq, dEb,
+                _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb,
                              dMqbb, gq, dWb, dGb, H, K, V, BT, BK, BV, MODE, LOWP, TF32, PREC, i_c, i_h)
     else:
         i_h = tl.program_id(1)
         if _regime_selected(regime, i_c, i_h, H, MODE):
-            _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime, dq, dEb, dMqbb,
+            _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb, dMqbb,
                          gq, dWb, dGb, H, K, V, BT, BK, BV, MODE, LOWP, TF32, PREC, i_c, i_h)
 
 
 @triton.jit
-def _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime, dq, dEb, dMqbb, gq,
+def _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb, dMqbb, gq,
                  dWb, dGb, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr,
                  LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
     """`_bwd_q_kernel`'s work on chunk i_c of head i_h."""
@@ -673,17 +673,17 @@ def _bwd_wy_kernel(
     if MODE == 2:
         for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
             if _regime_selected(regime, i_c, i_h, H, MODE):
-                _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime, da, ga, dMakb, dMabb,
+                _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, da, ga, dMakb, dMabb,
                               H, K, BT, BK, MODE, LOWP, PREC, i_c, i_h)
     else:
         i_h = tl.program_id(1)
         if _regime_selected(regime, i_c, i_h, H, MODE):
-            _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime, da, ga, dMakb, dMabb, H,
+            _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, da, ga, dMakb, dMabb, H,
                           K, BT, BK, MODE, LOWP, PREC, i_c, i_h)
 
 
 @triton.jit
-def _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime, da, ga, dMakb, dMabb, H, K,
+def _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, da, ga, dMakb, dMabb, H, K,
                   BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
                   i_c, i_h):
     """`_bwd_wy_kernel`'s work on chunk i_c of head i_h."""
@@ -730,17 +730,17 @@ def _bwd_kb_kernel(
         for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
             if _regime_selected(regime, i_c, i_h, H, MODE):
                 _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens,
-                              chunk_info, scale, regime, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
+                              chunk_info, scale, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
     else:
         i_h = tl.program_id(1)
         if _regime_selected(regime, i_c, i_h, H, MODE):
             _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info,
-                          scale, regime, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
+                          scale, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
 
 
 @triton.jit
 def _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale,
-                  regime, dw, dk, db, H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+                  dw, dk, db, H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
                   LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
     """`_bwd_kb_kernel`'s work on chunk i_c of head i_h."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)

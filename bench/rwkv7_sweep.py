@@ -29,10 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import ops  # noqa: E402  (bench/ops.py: the inputs and the timing of the op table)
+from tests.ops.assertions import rel_rms_error  # noqa: E402
+from tests.ops.inputs import forward_backward  # noqa: E402  (seeded dO, gradients of every leaf)
 from flame.ops.rwkv7 import chunk_triton as ct  # noqa: E402
 
 TRAINED_HEAD = ROOT / "tests/ops/data/rwkv7_340M_layer1_head3_bf16.pt"
-REF = Path(os.environ.get("RWKV7_SWEEP_REF", "/tmp/rwkv7_trained_head_ref.pt"))
+REF = Path(os.environ.get("RWKV7_SWEEP_REF", "/tmp/rwkv7_trained_head_ref_s7.pt"))
 KERNELS = dict(prep="_prepare_kernel", q="_bwd_q_kernel", st="_bwd_state_kernel", wyb="_bwd_wy_kernel",
                kb="_bwd_kb_kernel", sf="_scan_fwd_kernel", sb="_scan_bwd_kernel")
 
@@ -94,23 +96,9 @@ def apply(spec):
 
 
 def trained_head(device):
+    """The trained head's inputs as gradient leaves (tests/ops/test_rwkv7_bf16_trained_head.py)."""
     data = torch.load(TRAINED_HEAD, map_location=device)
-    return {n: data[n] for n in "rwkvab"}
-
-
-def forward_backward(fn, inputs, seed=7):
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
-    o = fn(leaves)
-    g = torch.Generator(device=o.device).manual_seed(seed)
-    do = torch.randn(o.shape, generator=g, device=o.device, dtype=torch.float64).to(o.dtype)
-    return o.detach(), dict(zip(leaves, torch.autograd.grad(o, list(leaves.values()), do)))
-
-
-def rel_rms(ref, out):
-    ref, out = ref.double(), out.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+    return {n: data[n].detach().clone().requires_grad_() for n in "rwkvab"}
 
 
 def chunk(cache):
@@ -118,12 +106,24 @@ def chunk(cache):
                                            gate_lower_bound=ops.RWKV7_LOG_DECAY_BOUND, cache_intermediates=cache)[0]
 
 
+def chunk_op(r, w, k, v, a, b, output_final_state, cache=False):
+    """The variant's chunk op in the (**inputs, output_final_state) form of tests.ops.inputs.forward_backward."""
+    return ct.chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, output_final_state=output_final_state,
+                                 gate_lower_bound=ops.RWKV7_LOG_DECAY_BOUND, cache_intermediates=cache)
+
+
 def make_ref():
     from flame.ops import naive_rwkv7
-    x = {n: t.double() for n, t in trained_head("cuda").items()}
-    o, g = forward_backward(lambda d: naive_rwkv7(d["r"], d["w"], d["k"], d["v"], d["a"], d["b"], scale=1.0)[0], x)
-    torch.save({"o": o, **{"d" + n: t for n, t in g.items()}}, REF)
+    x = {n: t.detach().double().requires_grad_() for n, t in trained_head("cuda").items()}
+    o, _, g = forward_backward(naive_rwkv7, x, with_dht=False, scale=1.0)
+    torch.save({"o": o.detach(), **{"d" + n: t for n, t in g.items()}}, REF)
     print(f"reference saved to {REF}")
+
+
+def trained_head_errors(ref, device):
+    """Relative RMS errors of the variant's output and gradients on the trained head against `ref`."""
+    o, _, g = forward_backward(chunk_op, trained_head(device), with_dht=False)
+    return {"o": rel_rms_error(ref["o"], o), **{"d" + n: rel_rms_error(ref["d" + n], t) for n, t in g.items()}}
 
 
 def kernel_profile(fn, x, n=5):
@@ -151,7 +151,7 @@ def main():
     if mode == "warm":
         for cache in (False, True):
             torch.autograd.backward(chunk(cache)(x), torch.ones_like(chunk(cache)(x)))
-        forward_backward(chunk(False), trained_head("cuda"))
+        forward_backward(chunk_op, trained_head("cuda"), with_dht=False)
         print(spec, "warm")
         return
     t = {cache: ops._time(chunk(cache), x) for cache in (False, True)}
@@ -162,8 +162,7 @@ def main():
     while not REF.exists():  # written by a `ref` process running beside the warm-ups
         time.sleep(5)
     ref = torch.load(REF)
-    o, g = forward_backward(chunk(False), trained_head("cuda"))
-    errors = {"o": rel_rms(ref["o"], o), **{"d" + n: rel_rms(ref["d" + n], t) for n, t in g.items()}}
+    errors = trained_head_errors(ref, "cuda")
     print("   trained head (default): " + " ".join(f"{k} {v:.2e}" for k, v in errors.items()))
 
 

@@ -395,7 +395,8 @@ def _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As,
                                         BT, PREC)
     # the q side before the inverse, which it does not depend on: its products then fill the latency of
     # the inverse's serial chain (forward 0.695 -> 0.647 ms at B8 T2048 H16 K64 bf16, H100, session 7).
-    # The centred factors and the k, b tiles are formed again from the loads (cheaper than holding them)
+    # The centred factors and the k, b tiles are formed again from the loads: one branch holding them
+    # for both sides spilled 88 B per thread instead of 24 (ptxas, sm_90, forward, session 7)
     b_q = _load_rows(q + bk, p_k, m_rk) * scale
     if CENTRED:
         e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)

@@ -5,13 +5,13 @@
     python bench/rwkv7_sweep.py run SPEC            time it (do_bench, B8 T2048 H16 D64 bf16, default and
                                                     cached), profile its kernels, and its trained-head errors
 
-SPEC is "base" or groups "TARGET:KEY=VALUE,..." joined by ";". TARGET is a kernel (prep, q, st, wyb,
-kb, sf, sb: `_prepare_kernel`, `_bwd_q`, `_bwd_state`, `_bwd_wy`, `_bwd_kb`, `_scan_fwd`, `_scan_bwd`)
+SPEC is "base" or groups "TARGET:KEY=VALUE,..." joined by ";". TARGET is a kernel (prep, maps, intra,
+sf, sb: `_prepare_kernel`, `_bwd_maps`, `_bwd_intra`, `_scan_fwd`, `_scan_bwd`)
 whose launch keywords are overridden (num_warps, num_stages, maxnreg), "plan" for attributes of
 `_Plan` (prec, tf32, modes, BV, BV_bwd), or "mod" with path=FILE: another version of chunk_triton.py
 (e.g. an older commit's, to time both in one run; it imports its neighbours in flame/ops/rwkv7 as the
 package file does). Values are Python literals; bare words are strings.
-Examples: "q:num_warps=8,maxnreg=None", "plan:prec='tf32x3'", "sf:num_warps=8;sb:num_warps=8",
+Examples: "maps:num_warps=8,maxnreg=None", "plan:prec='tf32x3'", "sf:num_warps=8;sb:num_warps=8",
 "mod:path=/tmp/chunk_triton_old.py".
 The sessions' calls ran the warm-ups in parallel, then `run` one variant after another (bench/RESULTS.md).
 """
@@ -35,8 +35,8 @@ from flame.ops.rwkv7 import chunk_triton as ct  # noqa: E402
 
 TRAINED_HEAD = ROOT / "tests/ops/data/rwkv7_340M_layer1_head3_bf16.pt"
 REF = Path(os.environ.get("RWKV7_SWEEP_REF", "/tmp/rwkv7_trained_head_ref_s7.pt"))
-KERNELS = dict(prep="_prepare_kernel", q="_bwd_q_kernel", st="_bwd_state_kernel", wyb="_bwd_wy_kernel",
-               kb="_bwd_kb_kernel", sf="_scan_fwd_kernel", sb="_scan_bwd_kernel")
+KERNELS = dict(prep="_prepare_kernel", maps="_bwd_maps_kernel", intra="_bwd_intra_kernel",
+               sf="_scan_fwd_kernel", sb="_scan_bwd_kernel")
 
 
 def _literal(text):

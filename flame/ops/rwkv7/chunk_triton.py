@@ -22,15 +22,16 @@ session 6; launched once per intra regime, see below):
 The sequential scans then do two products per chunk and the output comes out of the forward scan:
     forward  (`_scan_fwd`): O = Q' S + E V;  S <- A S + C^T V
     backward (`_scan_bwd`): dV = E^T dO + C dS;  dS <- A^T dS + Q'^T dO     (dS = dS^out of the chunk)
-The per-chunk backward (`_chunk_bwd`, one program per chunk and head in each of four kernels) takes
+The per-chunk backward (`_chunk_bwd`, one program per chunk and head in each of two kernels) takes
 the chunk's S^in, dS^out, dO and V, forms dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T
-(reductions over V), carries them back through the four definitions to M^qk, M^qb, W, G, B̃ (`_bwd_q`,
-`_bwd_state`), then through the WY representation (dM^ab = strict(Tm^T dTm Tm^T), kernels.md 2.4) to
-da (`_bwd_wy`) and through the intra products to dk, db and dw by the reverse cumsum of identity I2
-(`_bwd_kb`). The kernels pass fp32 [BT, K] / [BT, BT] tiles to each other through global memory, so
-that none holds more than a few tiles at once: with 3xTF32 products at 4 warps, a program that held
-the whole chain spilled 6-14 KB of registers per thread. No atomics anywhere: the backward is
-deterministic. By default the backward runs `_prepare` again, from the WY inverse Tm that the
+(reductions over V) and carries them back through the four definitions to M^qk, M^qb, W, G, B̃
+(`_bwd_maps`); then through the WY representation (dM^ab = strict(Tm^T dTm Tm^T), kernels.md 2.4) to
+da and through the intra products to dk, db and dw by the reverse cumsum of identity I2
+(`_bwd_intra`). The two pass fp32 [BT, K] / [BT, BT] tiles through global memory, so that neither
+holds the whole chain: with 3xTF32 products at 4 warps, a program that held it spilled 6-14 KB of
+registers per thread (session 1). Four kernels (output side, state side, WY, column side), as in
+sessions 1-7, moved more tiles through memory: the two are 0.16 ms faster per fwd+bwd at B8 T2048
+H16 K64 bf16 on the H100 (session 8). No atomics anywhere: the backward is deterministic. By default the backward runs `_prepare` again, from the WY inverse Tm that the
 forward keeps; with cache_intermediates the forward keeps all its intermediates instead (faster,
 more memory). Head dims K > 128 do not fit one program's tiles and run on the fused recurrent
 kernels instead.
@@ -46,9 +47,9 @@ Intra regimes (kernels.md 2.3):
   passes take the same regime; the chunks that break the promise take the exact per-pair path at the
   same chunk size. Every per-chunk kernel that depends on the regime launches twice, once per regime,
   each launch skipping the chunks of the other (`_regime_selected`: one byte per program, where reading
-  the chunk's gates cost ~35 us per launch): a program holding both paths spills more (`_bwd_q` and
-  `_bwd_wy` ran 15-50% slower that way on an H100). `_prepare`'s first launch decides and records the
-  regime. `_bwd_state` and the scans do not depend on the regime.
+  the chunk's gates cost ~35 us per launch): a program holding both paths spills more (the backward's
+  output-side and WY kernels of session 6 ran 15-50% slower that way on an H100). `_prepare`'s first launch decides and records the
+  regime. The scans do not depend on the regime.
 
 Precision: fp32 decay cumsums, states, state gradients and intermediates everywhere. Products with
 fp32 operands are 3xTF32 (fp32-accurate) for fp32 inputs and in the scans' state recurrence A S; for
@@ -59,8 +60,8 @@ bf16 inputs:
   are stored in bf16 and multiplied with bf16 operands (fp32 accumulation, `_dot` with LOWP)
   everywhere but in the recurrence A S itself;
 - one TF32 pass (`mm_tf32_if` with TF32) in the WY inverse, followed by a Newton step
-  (wy_inverse_triton.py), in every product of `_bwd_state` and `_bwd_kb` and in the reductions over
-  V of `_bwd_q` (see _Plan.tf32).
+  (wy_inverse_triton.py), in the state side's products and the reductions over V of `_bwd_maps`
+  and in the column side's products of `_bwd_intra` (see _Plan.tf32).
 Plain TF32 in the old nilpotent-product inverse overflowed a trained head (commit 18d7abb: that
 inverse lost 25% there in TF32); bf16 in W, G or the backward's products cost up to 4x the error
 there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
@@ -290,8 +291,8 @@ def _gates_keep_bound(b_w, m_rk, lower_bound):
 
 @triton.jit
 def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
-    """For the kernels launched once per regime (holding both paths in one program made `_bwd_q` and
-    `_bwd_wy` 15-50% slower on an H100, from register spills), whether this launch takes chunk i_c of
+    """For the kernels launched once per regime (holding both paths in one program made the backward's
+    output-side and WY kernels 15-50% slower on an H100, session 6, from register spills), whether this launch takes chunk i_c of
     head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk (exact regime); 1: the
     centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at the centred chunk
     size)."""
@@ -554,86 +555,53 @@ def _v_block(i_v, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr)
 
 
 @triton.jit
-def _bwd_q_kernel(
-    q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime,
-    dq, dEb, dMqbb, gq, dWb, dGb,
+def _bwd_maps_kernel(
+    q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, regime,
+    dq, dEb, dMqbb, gq, dWb, dGb, dks, dbs, glast,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr,
     TF32: tl.constexpr, PREC: tl.constexpr, HP: tl.constexpr,
 ):
-    """One chunk and head, output side: dQ' = dO S^T and dE = dO V^T (reductions over V), then
-    dM^qb = incl(dQ' W^T + dE G^T), the Q', E parts of dW = M^qb^T dQ' and dG = M^qb^T dE, dq (dQ̂ e^Γ +
-    the row side of dM^qk = incl(dE) and dM^qb) and its I2 term q dq. Stores dE, dM^qb, those parts
-    of dW and dG, and q dq (fp32) for the next kernels."""
+    """One chunk and head: the gradients through the scans' four maps Q', E, A, C (`_bwd_maps_chunk`)."""
     i_c = tl.program_id(0)
     if MODE == 2:
         for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
             if _regime_selected(regime, i_c, i_h, H, MODE):
-                _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb,
-                             dMqbb, gq, dWb, dGb, H, K, V, BT, BK, BV, MODE, LOWP, TF32, PREC, i_c, i_h)
+                _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb,
+                                dMqbb, gq, dWb, dGb, dks, dbs, glast, H, K, V, BT, BK, BV, MODE, LOWP, TF32, PREC,
+                                i_c, i_h)
     else:
         i_h = tl.program_id(1)
         if _regime_selected(regime, i_c, i_h, H, MODE):
-            _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb, dMqbb,
-                         gq, dWb, dGb, H, K, V, BT, BK, BV, MODE, LOWP, TF32, PREC, i_c, i_h)
+            _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb,
+                            dMqbb, gq, dWb, dGb, dks, dbs, glast, H, K, V, BT, BK, BV, MODE, LOWP, TF32, PREC,
+                            i_c, i_h)
 
 
 @triton.jit
-def _bwd_q_chunk(q, w, k, v, b, do, hs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb, dMqbb, gq,
-                 dWb, dGb, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MODE: tl.constexpr,
-                 LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
-    """`_bwd_q_kernel`'s work on chunk i_c of head i_h."""
+def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb, dMqbb, gq,
+                    dWb, dGb, dks, dbs, glast, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    MODE: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
+    """Chunk i_c of head i_h, in two passes over the V blocks of its state S^in, state gradient dS^out,
+    V and dO.
+
+    State side: dA = dS S^T and dC = V dS^T, then through A = diag(e^Γ_L) + B̃^T W and C = K̃ + G^T B̃ to
+    dB̃ = G dC + W dA^T, the state-path parts of dk and db, the chunk-total gate term of I2, and the parts
+    B̃ dA of dW and B̃ dC^T of dG, which stay in registers.
+    Output side: dQ' = dO S^T and dE = dO V^T, then dW += M^qb^T dQ', dG += M^qb^T dE (stored for
+    `_bwd_intra`), dM^qb = incl(dQ' W^T + dE G^T), dq (dQ̂ e^Γ + the row side of dM^qk = incl(dE) and
+    dM^qb) and its I2 term q dq. Stores dE, dM^qb and q dq (fp32) for `_bwd_intra`.
+    One kernel for both sides keeps dW and dG out of global memory between them and reads the chunk's
+    gates, keys, W and G once; the second pass over S^in and V mostly hits L2. It took 0.74-0.76 ms per
+    fwd+bwd where the two kernels of each side took 0.82 (H100, B8 T2048 H16 K64 bf16, session 8). One
+    pass accumulating all four reductions at once held more registers and was slower (0.80)."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
-    incl = rows[:, None] >= rows[None, :]
-    dQ = tl.zeros([BT, BK], dtype=tl.float32)
-    dE = tl.zeros([BT, BT], dtype=tl.float32)
+    o_k = tl.arange(0, BK)
     h_base = (i_c.to(tl.int64) * H + i_h) * K * V
     bv = (t0 * H + i_h) * V
-    for i_v in range(0, tl.cdiv(V, BV)):
-        s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
-        S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
-        b_do = _load_rows(do + bv, p_v, m_r & m_v)
-        dQ += mm_tf32_if(b_do, tl.trans(S), TF32, PREC)
-        dE += mm_tf32_if(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), TF32, PREC)
-    tl.store(dEb + bT + p_t, dE, mask=m_r)
-    b_Mqb = _load_rows(Mqb + bT, p_t, m_r)
-    tl.store(dWb + bk + p_k, mm_prec(tl.trans(b_Mqb), dQ, PREC), mask=m_rk)
-    tl.store(dGb + bT + p_t, mm_prec(tl.trans(b_Mqb), dE, PREC), mask=m_r)
-    dMqb = tl.where(incl, mm_prec(dQ, tl.trans(_load_rows(Wm + bk, p_k, m_rk)), PREC)
-                    + mm_prec(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), PREC), 0.0)
-    tl.store(dMqbb + bT + p_t, dMqb, mask=m_r)
-    dMqk = tl.where(incl, dE, 0.0)
-    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-    if MODE == 1:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        i_dq = (mm_prec(dMqk, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
-                + mm_prec(dMqb, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_q
-    else:
-        i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k + bk, p_k, m_rk), dMqb, _load_rows(b + bk, p_k, m_rk), Gi, Gi,
-                                  False, BT, BK, PREC)
-    b_dq = dQ * tl.exp2(Gi) + i_dq
-    tl.store(dq + bk + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
-    tl.store(gq + bk + p_k, _load_rows(q + bk, p_k, m_rk) * scale * b_dq, mask=m_rk)
-
-
-@triton.jit
-def _bwd_state_kernel(
-    w, k, v, b, hs, dhs, Wm, Gm, cu_seqlens, chunk_info,
-    dWb, dGb, dks, dbs, glast,
-    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr,
-):
-    """One chunk and head, state side: dA = dS S^T and dC = V dS^T (reductions over V), then through
-    A = diag(e^Γ_L) + B̃^T W and C = K̃ + G^T B̃ to dB̃ = G dC + W dA^T, dW += B̃ dA and dG += B̃ dC^T
-    (added to the Q' and E parts that `_bwd_q_kernel` stored), the state-path parts of dk and db and
-    the chunk-total gate term of I2."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
-    o_k = tl.arange(0, BK)
+    # state side
     dA = tl.zeros([BK, BK], dtype=tl.float32)
     dC = tl.zeros([BT, BK], dtype=tl.float32)
-    h_base = (i_c.to(tl.int64) * H + i_h) * K * V
-    bv = (t0 * H + i_h) * V
     for i_v in range(0, tl.cdiv(V, BV)):
         s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
         S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
@@ -654,44 +622,81 @@ def _bwd_state_kernel(
                                            + _load_rows(b + bk, p_k, m_rk) * db_s, 0)
     tl.store(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_last, mask=o_k < K)
     b_bt = _load_rows(b + bk, p_k, m_rk) * e_L
-    dW = _load_rows(dWb + bk, p_k, m_rk) + mm_tf32_if(b_bt, dA, TF32, PREC)
-    tl.store(dWb + bk + p_k, dW, mask=m_rk)
-    dG = _load_rows(dGb + bT, p_t, m_r) + mm_tf32_if(b_bt, tl.trans(dC), TF32, PREC)
-    tl.store(dGb + bT + p_t, dG, mask=m_r)
+    dW = mm_tf32_if(b_bt, dA, TF32, PREC)
+    dG = mm_tf32_if(b_bt, tl.trans(dC), TF32, PREC)
+    # output side
+    incl = rows[:, None] >= rows[None, :]
+    dQ = tl.zeros([BT, BK], dtype=tl.float32)
+    dE = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
+        S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
+        b_do = _load_rows(do + bv, p_v, m_r & m_v)
+        dQ += mm_tf32_if(b_do, tl.trans(S), TF32, PREC)
+        dE += mm_tf32_if(b_do, tl.trans(_load_rows(v + bv, p_v, m_r & m_v)), TF32, PREC)
+    tl.store(dEb + bT + p_t, dE, mask=m_r)
+    b_Mqb = _load_rows(Mqb + bT, p_t, m_r)
+    tl.store(dWb + bk + p_k, dW + mm_prec(tl.trans(b_Mqb), dQ, PREC), mask=m_rk)
+    tl.store(dGb + bT + p_t, dG + mm_prec(tl.trans(b_Mqb), dE, PREC), mask=m_r)
+    dMqb = tl.where(incl, mm_prec(dQ, tl.trans(_load_rows(Wm + bk, p_k, m_rk)), PREC)
+                    + mm_prec(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), PREC), 0.0)
+    tl.store(dMqbb + bT + p_t, dMqb, mask=m_r)
+    dMqk = tl.where(incl, dE, 0.0)
+    Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    if MODE == 1:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        i_dq = (mm_prec(dMqk, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
+                + mm_prec(dMqb, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_q
+    else:
+        i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k + bk, p_k, m_rk), dMqb, _load_rows(b + bk, p_k, m_rk), Gi, Gi,
+                                  False, BT, BK, PREC)
+    b_dq = dQ * tl.exp2(Gi) + i_dq
+    tl.store(dq + bk + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
+    tl.store(gq + bk + p_k, _load_rows(q + bk, p_k, m_rk) * scale * b_dq, mask=m_rk)
 
 
 @triton.jit
-def _bwd_wy_kernel(
-    w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, regime,
-    da, ga, dMakb, dMabb,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-    HP: tl.constexpr,
+def _bwd_intra_kernel(
+    q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq, glast, cu_seqlens, chunk_info, scale, regime,
+    da, dw, dk, db,
+    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr,
+    PREC: tl.constexpr, HP: tl.constexpr,
 ):
-    """One chunk and head, the WY backward (W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1):
-    dTm = dG M^ak^T + dW Â^T, dM^ak = strict(Tm^T dG), dÂ = Tm^T dW, dM^ab = strict(Tm^T dTm Tm^T),
-    then da (dÂ e^Γ̄ + the row side of dM^ak, dM^ab) and its I2 term a da."""
+    """One chunk and head: the WY backward, the column side and dw (`_bwd_intra_chunk`)."""
     i_c = tl.program_id(0)
     if MODE == 2:
         for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
             if _regime_selected(regime, i_c, i_h, H, MODE):
-                _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, da, ga, dMakb, dMabb,
-                              H, K, BT, BK, MODE, LOWP, PREC, i_c, i_h)
+                _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq, glast, cu_seqlens,
+                                 chunk_info, scale, da, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
     else:
         i_h = tl.program_id(1)
         if _regime_selected(regime, i_c, i_h, H, MODE):
-            _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, da, ga, dMakb, dMabb, H,
-                          K, BT, BK, MODE, LOWP, PREC, i_c, i_h)
+            _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq, glast, cu_seqlens,
+                             chunk_info, scale, da, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
 
 
 @triton.jit
-def _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, da, ga, dMakb, dMabb, H, K,
-                  BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                  i_c, i_h):
-    """`_bwd_wy_kernel`'s work on chunk i_c of head i_h."""
+def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq, glast, cu_seqlens, chunk_info,
+                     scale, da, dw, dk, db, H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
+                     LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
+    """Chunk i_c of head i_h.
+
+    WY backward (W = Tm Â, G = Tm M^ak, Tm = (I - M^ab)^-1): dTm = dG M^ak^T + dW Â^T,
+    dM^ak = strict(Tm^T dG), dÂ = Tm^T dW, dM^ab = strict(Tm^T dTm Tm^T), then da (dÂ e^Γ̄ + the row side
+    of dM^ak, dM^ab).
+    Column side: dk = state part + the columns of dM^qk = incl(dE) and dM^ak, db = state part + the
+    columns of dM^qb and dM^ab; then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,
+    γ = q dq + a da - k dk - b db.
+    dM^ak, dM^ab and a da stay in registers between the two, and the gates, a, k and b are read by one
+    program: 0.67 ms per fwd+bwd where the two kernels of each part took 0.75 (H100, B8 T2048 H16 K64
+    bf16, session 8), although ptxas spills 208 B per thread here (72 B in the WY kernel alone)."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
     strict = rows[:, None] > rows[None, :]
     Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
+    # WY backward
     b_Tm = tl.load(Tm + bT + p_t, mask=m_r, other=0.0)
     dG = _load_rows(dGb + bT, p_t, m_r)
     dW = _load_rows(dWb + bk, p_k, m_rk)
@@ -700,11 +705,9 @@ def _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, da, ga,
     dTm = mm_prec(dG, tl.trans(_load_rows(Mak + bT, p_t, m_r)), PREC) \
         + mm_prec(dW, tl.trans(b_a * e_Ge), PREC)
     dMak = tl.where(strict, mm_prec(tl.trans(b_Tm), dG, PREC), 0.0)
-    tl.store(dMakb + bT + p_t, dMak, mask=m_r)
     dAh = mm_prec(tl.trans(b_Tm), dW, PREC)
     dMab = mm_prec(mm_prec(tl.trans(b_Tm), dTm, PREC), tl.trans(b_Tm), PREC)
     dMab = tl.where(strict, dMab, 0.0)
-    tl.store(dMabb + bT + p_t, dMab, mask=m_r)
     if MODE == 1:
         e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
         i_da = (mm_prec(dMak, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
@@ -714,47 +717,13 @@ def _bwd_wy_chunk(w, k, a, b, Tm, Mak, dWb, dGb, cu_seqlens, chunk_info, da, ga,
                                   True, BT, BK, PREC)
     b_da = dAh * e_Ge + i_da
     tl.store(da + bk + p_k, _cast(b_da, da, LOWP), mask=m_rk)
-    tl.store(ga + bk + p_k, b_a * b_da, mask=m_rk)
-
-
-@triton.jit
-def _bwd_kb_kernel(
-    q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale, regime,
-    dw, dk, db,
-    H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr,
-    PREC: tl.constexpr, HP: tl.constexpr,
-):
-    """One chunk and head, column side: dk = state part + dM^qk, dM^ak columns, db = state part + dM^qb,
-    dM^ab columns, then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last, γ = q dq + a da - k dk - b db."""
-    i_c = tl.program_id(0)
-    if MODE == 2:
-        for i_h in range(0, _fallback_heads(regime, i_c, H, HP)):
-            if _regime_selected(regime, i_c, i_h, H, MODE):
-                _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens,
-                              chunk_info, scale, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
-    else:
-        i_h = tl.program_id(1)
-        if _regime_selected(regime, i_c, i_h, H, MODE):
-            _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info,
-                          scale, dw, dk, db, H, K, BT, BK, MODE, LOWP, TF32, PREC, i_c, i_h)
-
-
-@triton.jit
-def _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, cu_seqlens, chunk_info, scale,
-                  dw, dk, db, H, K, BT: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr,
-                  LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
-    """`_bwd_kb_kernel`'s work on chunk i_c of head i_h."""
-    t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
-    rows = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    incl = rows[:, None] >= rows[None, :]
+    g_a = b_a * b_da
+    # column side (the gates and a loaded again: cheaper than holding them, 32 registers)
     Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-    dMqk = tl.where(incl, _load_rows(dEb + bT, p_t, m_r), 0.0)
-    dMqb = _load_rows(dMqbb + bT, p_t, m_r)
-    dMak = _load_rows(dMakb + bT, p_t, m_r)
-    dMab = _load_rows(dMabb + bT, p_t, m_r)
-    b_q = _load_rows(q + bk, p_k, m_rk) * scale
     b_a = _load_rows(a + bk, p_k, m_rk)
+    dMqk = tl.where(rows[:, None] >= rows[None, :], _load_rows(dEb + bT, p_t, m_r), 0.0)
+    dMqb = _load_rows(dMqbb + bT, p_t, m_r)
+    b_q = _load_rows(q + bk, p_k, m_rk) * scale
     if MODE == 1:
         e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
         qc = b_q * e_q
@@ -769,7 +738,6 @@ def _bwd_kb_chunk(q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, gla
     b_db = _load_rows(dbs + bk, p_k, m_rk) + i_db
     tl.store(dk + bk + p_k, _cast(b_dk, dk, LOWP), mask=m_rk)
     tl.store(db + bk + p_k, _cast(b_db, db, LOWP), mask=m_rk)
-    g_a = _load_rows(ga + bk, p_k, m_rk)
     gam = _load_rows(gq + bk, p_k, m_rk) + g_a
     gam -= _load_rows(k + bk, p_k, m_rk) * b_dk + _load_rows(b + bk, p_k, m_rk) * b_db
     rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
@@ -852,30 +820,30 @@ class _Plan:
         # K64 bf16: fwd+bwd 4.45 -> 3.85 ms, with the trained head's errors against fp64 unchanged to
         # two digits (o 2.64e-3, dw 2.97e-3 -> 2.89e-3; session 6, call 1)
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
-        # register cap (ptxas maxnreg) of `_prepare`, `_bwd_q`, `_bwd_state` and `_bwd_kb` at head dims <= 64,
-        # where the per-chunk kernels run at 2 programs per SM with 255 registers: 168 lets them run 3 per SM
-        # and spill a little, 12-17% faster each on the H100 (session 6); once `_prepare` and `_bwd_kb`
-        # launched once per regime, 7% and 16% faster for them too (0.85 -> 0.79 and 0.44 -> 0.37 ms per
-        # fwd+bwd, session 7). It slows `_bwd_wy` (0.40 -> 0.46).
+        # register cap (ptxas maxnreg) of `_prepare` at head dims <= 64, where it runs at 2 programs per SM
+        # with 255 registers: 168 lets it run 3 per SM and spill a little, 0.85 -> 0.79 ms per fwd+bwd on the
+        # H100 (session 7; 255 in the forward's launches only: 0.04 ms slower, session 8). The backward's two
+        # kernels run uncapped: `_bwd_maps` 0.76 -> 0.79 ms at 168 (ptxas: 232 B spilled instead of none),
+        # `_bwd_intra` already spills at 255 (session 8)
         self.maxnreg = 168 if self.BK <= 64 else None
-        # `_bwd_q` and `_bwd_state` loop over V blocks: pipeline stages (prefetch the next block's S, dO, V)
-        # at head dims <= 64: 2 made them 11% and 5% faster (H100, session 6), 3 `_bwd_q` 5% faster again
-        # and `_bwd_state` 15% slower (session 7); 1 stage at larger head dims, whose tiles already fill
-        # shared memory
-        self.stages_q, self.stages_state = (3, 2) if self.BK <= 64 else (1, 1)
+        # `_bwd_maps` loops over V blocks twice: pipeline stages (prefetch the next block's S, dS, dO, V) at
+        # head dims <= 64: 3 stages 0.744 ms per fwd+bwd, 2 0.760, 1 0.881 (H100, session 8); 1 stage at
+        # larger head dims, whose tiles already fill shared memory
+        self.stages_maps = 3 if self.BK <= 64 else 1
         # bf16 operands (fp32 accumulation) for the products outside the state recurrence, the a-side
         # intra products and the WY inverse and backward (`_dot`; emulated under the interpreter)
         self.lowp = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
         # Q', E, C (the scans' per-token operands) in bf16 for bf16 inputs; states, A and the backward's
         # W, G, Tm, M^ak, M^qb stay fp32 (in bf16 those cost da and db 4x the error on the trained head)
         self.scan_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
-        # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) in the products of `_bwd_state` and `_bwd_kb`
-        # and in the reductions over V of `_bwd_q` (dQ' = dO S^T, dE = dO V^T), whose errors stay in the
+        # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) in the state side's products and all four
+        # reductions over V of `_bwd_maps` (dQ' = dO S^T, dE = dO V^T, dA, dC) and in the column side's
+        # products of `_bwd_intra` (the state and column sides were kernels of their own then), whose errors stay in the
         # chunk's gradients and never enter a recurrence, and in the WY inverse, which a Newton step then
         # brings back to 3xTF32 accuracy. Trained head, first 512 tokens, interpreter with TF32 operand
         # truncation, against fp64: dw 3.0e-3 -> 3.8e-3 (state) / 4.3e-3 (kb), dQ', dE no change, the rest
-        # unchanged. The same pass cost too much in the rest of `_bwd_q` (dM^qb: dw 8.4e-3; dW, dG: db
-        # 3.5e-3), in `_bwd_wy` (dw 5.5e-3 to 2.4e-2 by product), and in `_prepare`: in Q', E, C (o 5.4e-3), in
+        # unchanged. The same pass cost too much in the rest of the output side (dM^qb: dw 8.4e-3; dW, dG:
+        # db 3.5e-3), in the WY backward (dw 5.5e-3 to 2.4e-2 by product), and in `_prepare`: in Q', E, C (o 5.4e-3), in
         # G, M^ak (o 1.1e-2) and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048). (Measured
         # against 3xTF32 products, session 5; they are bf16x3 now, see prec.)
         self.tf32 = self.lowp  # the same switch: bf16 inputs, 1 on a GPU, 2 emulated under the interpreter
@@ -917,34 +885,28 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd, keep_tm, tm=None):
 
 
 def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
-    """dq, dw, dk, da, db from the states, the state gradients and the per-chunk intermediates: four
-    per-chunk kernels (output side, state side, WY, column side and I2) that pass fp32 tiles through
-    global memory, so that none of them holds more than a few [BT, 64] tiles at once."""
+    """dq, dw, dk, da, db from the states, the state gradients and the per-chunk intermediates: two
+    per-chunk kernels (`_bwd_maps`: the output and state sides; `_bwd_intra`: the WY backward, the column
+    side and I2) that pass fp32 tiles through global memory."""
     B, T, H, K, V, BT = plan.B, plan.T, plan.H, plan.K, plan.V, plan.BT
     f32 = dict(dtype=torch.float32, device=q.device)
     per_k = lambda: torch.empty(B, T, H, K, **f32)  # noqa: E731
     per_t = lambda: torch.empty(B, T, H, BT, **f32)  # noqa: E731
-    gq, dWb, dks, dbs, ga = per_k(), per_k(), per_k(), per_k(), per_k()
-    dEb, dMqbb, dGb, dMakb, dMabb = per_t(), per_t(), per_t(), per_t(), per_t()
+    gq, dWb, dks, dbs = per_k(), per_k(), per_k(), per_k()
+    dEb, dMqbb, dGb = per_t(), per_t(), per_t()
     glast = torch.empty(plan.NT, H, K, **f32)
     dq, dw, dk, da, db = (torch.empty_like(x) for x in (q, w, k, a, b))
     common = dict(H=H, K=K, BT=BT, BK=plan.BK, PREC=plan.prec, num_warps=WARPS_CHUNK)
     for mode in plan.modes:
-        _bwd_q_kernel[plan.grid(mode)](q, w, k, v, b, do, hs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu,
-                                       plan.chunk_info, scale, pre["regime"], dq, dEb, dMqbb, gq, dWb, dGb,
-                                       V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, HP=plan.HP,
-                                       maxnreg=plan.maxnreg, num_stages=plan.stages_q, **common)
-    _bwd_state_kernel[(plan.NT, H)](w, k, v, b, hs, dhs, pre["Wm"], pre["Gm"], plan.cu, plan.chunk_info,
-                                    dWb, dGb, dks, dbs, glast, V=V, BV=plan.BV_bwd, TF32=plan.tf32,
-                                    maxnreg=plan.maxnreg, num_stages=plan.stages_state, **common)
+        _bwd_maps_kernel[plan.grid(mode)](q, w, k, v, b, do, hs, dhs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu,
+                                          plan.chunk_info, scale, pre["regime"], dq, dEb, dMqbb, gq, dWb, dGb, dks,
+                                          dbs, glast, V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32,
+                                          HP=plan.HP, num_stages=plan.stages_maps, **common)
     for mode in plan.modes:
-        _bwd_wy_kernel[plan.grid(mode)](w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, plan.cu, plan.chunk_info,
-                                        pre["regime"], da, ga, dMakb, dMabb, MODE=mode, LOWP=plan.lowp, HP=plan.HP,
-                                        num_stages=1, **common)
-    for mode in plan.modes:
-        _bwd_kb_kernel[plan.grid(mode)](q, w, k, a, b, dEb, dMqbb, dMakb, dMabb, dks, dbs, gq, ga, glast, plan.cu,
-                                        plan.chunk_info, scale, pre["regime"], dw, dk, db, MODE=mode, LOWP=plan.lowp,
-                                        TF32=plan.tf32, HP=plan.HP, maxnreg=plan.maxnreg, num_stages=1, **common)
+        _bwd_intra_kernel[plan.grid(mode)](q, w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, dEb, dMqbb, dks, dbs, gq,
+                                           glast, plan.cu, plan.chunk_info, scale, pre["regime"], da, dw, dk, db,
+                                           MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, HP=plan.HP, num_stages=1,
+                                           **common)
     return dq, dw, dk, da, db
 
 
@@ -1014,8 +976,8 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     backward: ~20 GB over rwkv7_340M's 24 layers at its batch of 16 without activation checkpointing,
     which an 80 GB GPU does not have to spare. Off: the backward recomputes them (`_prepare_kernel` once
     more) from the WY inverse Tm alone, which the forward keeps (C fp32 per token and head: 128 bytes at
-    C = 32; it saved 0.1 ms of recomputation): fwd+bwd 2.79-2.80 ms against 2.52 cached at B8 T2048
-    H16 K64 bf16 on the H100 (session 7).
+    C = 32; it saved 0.1 ms of recomputation): fwd+bwd 2.63-2.64 ms against 2.35-2.38 cached at B8
+    T2048 H16 K64 bf16 on the H100 (session 8).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

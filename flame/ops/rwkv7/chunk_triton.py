@@ -31,10 +31,10 @@ da and through the intra products to dk, db and dw by the reverse cumsum of iden
 holds the whole chain: with 3xTF32 products at 4 warps, a program that held it spilled 6-14 KB of
 registers per thread (session 1). Four kernels (output side, state side, WY, column side), as in
 sessions 1-7, moved more tiles through memory: the two are 0.16 ms faster per fwd+bwd at B8 T2048
-H16 K64 bf16 on the H100 (session 8). No atomics anywhere: the backward is deterministic. By default the backward runs `_prepare` again, from the WY inverse Tm that the
-forward keeps; with cache_intermediates the forward keeps all its intermediates instead (faster,
-more memory). Head dims K > 128 do not fit one program's tiles and run on the fused recurrent
-kernels instead.
+H16 K64 bf16 on the H100 (session 8). No atomics anywhere: the backward is deterministic. By
+default the backward runs `_prepare` again, from the WY inverse Tm that the forward keeps; with
+cache_intermediates the forward keeps all its intermediates instead (faster, more memory). Head dims
+K > 128 do not fit one program's tiles and run on the fused recurrent kernels instead.
 
 Intra regimes (kernels.md 2.3):
 - exact per-pair exponents (any gate): a loop over the key column with exponents Γ_τ - Γ_j <= 0;
@@ -48,8 +48,8 @@ Intra regimes (kernels.md 2.3):
   same chunk size. Every per-chunk kernel that depends on the regime launches twice, once per regime,
   each launch skipping the chunks of the other (`_regime_selected`: one byte per program, where reading
   the chunk's gates cost ~35 us per launch): a program holding both paths spills more (the backward's
-  output-side and WY kernels of session 6 ran 15-50% slower that way on an H100). `_prepare`'s first launch decides and records the
-  regime. The scans do not depend on the regime.
+  output-side and WY kernels of session 6 ran 15-50% slower that way on an H100). `_prepare`'s first
+  launch decides and records the regime. The scans do not depend on the regime.
 
 Precision: fp32 decay cumsums, states, state gradients and intermediates everywhere. Products with
 fp32 operands are 3xTF32 (fp32-accurate) for fp32 inputs and in the scans' state recurrence A S; for
@@ -227,6 +227,29 @@ def _centre_factors(Gi, Ge, BT: tl.constexpr):
 
 
 @triton.jit
+def _rows_bwd(dMk, dMb, k, b, p_k, m_rk, Gi, Ge, STRICT: tl.constexpr, CENTRED: tl.constexpr, BT: tl.constexpr,
+              BK: tl.constexpr, PREC: tl.constexpr):
+    """Row-side gradient of M^·k and M^·b (gradients dMk, dMb; k, b point at the chunk's first row):
+    out_τ = Σ_j (dMk[τ,j] k_j + dMb[τ,j] b_j) e^{Gr_τ - Γ_j}, for dq (inclusive, Gr = Γ) or da (STRICT,
+    Gr = Γ̄), from the centred factors or exactly per pair."""
+    if CENTRED:
+        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
+        out = mm_prec(dMk, _load_rows(k, p_k, m_rk) * e_k, PREC) + mm_prec(dMb, _load_rows(b, p_k, m_rk) * e_k, PREC)
+        if STRICT:
+            out = out * e_a
+        else:
+            out = out * e_q
+    else:
+        if STRICT:
+            Gr = Ge
+        else:
+            Gr = Gi
+        out = _pairwise_rows_bwd(dMk, _load_rows(k, p_k, m_rk), dMb, _load_rows(b, p_k, m_rk), Gr, Gi, STRICT, BT, BK,
+                                 PREC)
+    return out
+
+
+@triton.jit
 def _centred_a_side(ac, kc, bc, BT: tl.constexpr, PREC: tl.constexpr):
     """M^ak, M^ab from the centred factors (fp32 operands: they feed the inverse)."""
     rows = tl.arange(0, BT)[:, None]
@@ -292,10 +315,10 @@ def _gates_keep_bound(b_w, m_rk, lower_bound):
 @triton.jit
 def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
     """For the kernels launched once per regime (holding both paths in one program made the backward's
-    output-side and WY kernels 15-50% slower on an H100, session 6, from register spills), whether this launch takes chunk i_c of
-    head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk (exact regime); 1: the
-    centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at the centred chunk
-    size)."""
+    output-side and WY kernels 15-50% slower on an H100, session 6, from register spills), whether this
+    launch takes chunk i_c of head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk
+    (exact regime); 1: the centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at
+    the centred chunk size)."""
     if MODE == 0:  # (no regime record then: the other branch must not be compiled)
         return True
     else:
@@ -642,14 +665,10 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
                     + mm_prec(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), PREC), 0.0)
     tl.store(dMqbb + bT + p_t, dMqb, mask=m_r)
     dMqk = tl.where(incl, dE, 0.0)
+    # the gates loaded again rather than held over the second V pass (ptxas, sm_90: the exact-fallback
+    # launch spilled 640 B per thread holding them, 424 B so)
     Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
-    if MODE == 1:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        i_dq = (mm_prec(dMqk, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
-                + mm_prec(dMqb, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_q
-    else:
-        i_dq = _pairwise_rows_bwd(dMqk, _load_rows(k + bk, p_k, m_rk), dMqb, _load_rows(b + bk, p_k, m_rk), Gi, Gi,
-                                  False, BT, BK, PREC)
+    i_dq = _rows_bwd(dMqk, dMqb, k + bk, b + bk, p_k, m_rk, Gi, Ge, False, MODE == 1, BT, BK, PREC)
     b_dq = dQ * tl.exp2(Gi) + i_dq
     tl.store(dq + bk + p_k, _cast(b_dq * scale, dq, LOWP), mask=m_rk)
     tl.store(gq + bk + p_k, _load_rows(q + bk, p_k, m_rk) * scale * b_dq, mask=m_rk)
@@ -708,13 +727,7 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     dAh = mm_prec(tl.trans(b_Tm), dW, PREC)
     dMab = mm_prec(mm_prec(tl.trans(b_Tm), dTm, PREC), tl.trans(b_Tm), PREC)
     dMab = tl.where(strict, dMab, 0.0)
-    if MODE == 1:
-        e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
-        i_da = (mm_prec(dMak, _load_rows(k + bk, p_k, m_rk) * e_k, PREC)
-                + mm_prec(dMab, _load_rows(b + bk, p_k, m_rk) * e_k, PREC)) * e_a
-    else:
-        i_da = _pairwise_rows_bwd(dMak, _load_rows(k + bk, p_k, m_rk), dMab, _load_rows(b + bk, p_k, m_rk), Ge, Gi,
-                                  True, BT, BK, PREC)
+    i_da = _rows_bwd(dMak, dMab, k + bk, b + bk, p_k, m_rk, Gi, Ge, True, MODE == 1, BT, BK, PREC)
     b_da = dAh * e_Ge + i_da
     tl.store(da + bk + p_k, _cast(b_da, da, LOWP), mask=m_rk)
     g_a = b_a * b_da

@@ -39,11 +39,13 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
     def check_vocab_size(self, model_vocab_size: int) -> None:
-        """Raise DataError unless the model's vocabulary equals this tokenizer's."""
-        if int(model_vocab_size) != self.vocab_size:
+        """Raise DataError unless the model's vocabulary holds every id of this tokenizer. A larger
+        model vocabulary is a padded one (e.g. rounded up to a multiple of 64 for the head's matmul,
+        or a benchmark at a standard size): its extra rows are never a label."""
+        if int(model_vocab_size) < self.vocab_size:
             raise DataError(
                 f"model.vocab_size is {model_vocab_size} but the tokenizer {self.source} has "
-                f"{self.vocab_size} tokens (added tokens included); set model.vocab_size = "
+                f"{self.vocab_size} tokens (added tokens included); set model.vocab_size >= "
                 f"{self.vocab_size}"
             )
 

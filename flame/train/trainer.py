@@ -148,8 +148,12 @@ def op_value_checks_off():
 
 
 class Trainer:
-    def __init__(self, cfg, *, dataloader=None):
-        """`dataloader`: an already built training loader (else built from cfg.data)."""
+    def __init__(self, cfg, *, dataloader=None, model_factory=None):
+        """`dataloader`: an already built training loader (else built from cfg.data).
+        `model_factory(cfg.model)`: builds the model in place of `flame.models.build_model` (it runs
+        under the meta device and gets the same parallelisation, initialisation, loss and optimizer);
+        the model follows `flame.models.CausalLM`'s contract: `layers`, `init_weights()`,
+        `num_flops_per_token(seq_len)` and the forward's signature."""
         from flame.config import to_toml
         from flame.data import load_tokenizer
 
@@ -181,7 +185,7 @@ class Trainer:
         logger.info("data: ready in %.1fs", time.monotonic() - start)
 
         # 3. model: built on the meta device, parallelised, materialised, initialised
-        self.model = self.build_model()
+        self.model = self.build_model(model_factory)
         self.l2wrap = None
         if cfg.model.family == "rwkv7" and cfg.model.l2wrap:
             from flame.models import l2wrap
@@ -249,13 +253,13 @@ class Trainer:
             dp_world_size=self.parallel.dp_world_size,
         )
 
-    def build_model(self) -> torch.nn.Module:
+    def build_model(self, model_factory=None) -> torch.nn.Module:
         from flame.models import build_model
 
         logger.info("model: building %s on the meta device ...", self.cfg.model.family)
         start = time.monotonic()
         with torch.device("meta"):
-            model = build_model(self.cfg.model)
+            model = (model_factory or build_model)(self.cfg.model)
         model = parallelize(model, self.cfg, self.parallel)
         model.to_empty(device=self.device)
         torch.manual_seed(self.cfg.job.seed)  # the same full init on every rank and any sharding

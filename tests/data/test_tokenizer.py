@@ -70,7 +70,8 @@ def test_tokenizer_without_eod_is_refused(tmp_path):
         load_tokenizer(str(path))
 
 
-def test_vocab_size_mismatch_is_an_error(tokenizer):
+def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tokenizer):
     tokenizer.check_vocab_size(8192)
-    with pytest.raises(ValueError, match="model.vocab_size is 32000 .* 8192 tokens"):
-        tokenizer.check_vocab_size(32000)
+    tokenizer.check_vocab_size(32000)  # a padded vocabulary: extra rows are never a label
+    with pytest.raises(ValueError, match="model.vocab_size is 8000 .* 8192 tokens"):
+        tokenizer.check_vocab_size(8000)

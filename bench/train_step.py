@@ -1,0 +1,309 @@
+"""Whole training steps of the shipped 340M configs on one GPU, through flame's own trainer.
+
+    python bench/train_step.py                                  # rwkv7, rwkv6, gsa; flame (and fla if installed)
+    python bench/train_step.py --families rwkv7 --libs flame    # one family, one library
+    python bench/train_step.py --families gsa -- --training.compile false   # trainer overrides after --
+
+What it measures (CUDA GPU; bf16 FSDP2 mixed precision on one rank, as `python -m flame.train` runs):
+each family's `configs/<family>_340M.toml` at batch 8 x 2048 x GA 2 and vocab 32000 on the embedded
+corpus (the GPU machines have no network), stepped by `flame.train.Trainer.train_step`, the loop of
+`python -m flame.train`: the same model wrapping (compile, FSDP), loss and optimizer. fla's model of the
+family (fla 0.6, optional) runs in the same loop in a child process of its own, built through the
+trainer's `model_factory` hook, with flame's loss and optimizer.
+
+Per family and library it reports:
+- tokens/s: the median over the timed steps after the warm-up, from wall time with a device sync at
+  each step's end; the first step's time (compile, autotune) separately;
+- peak memory: `torch.cuda.max_memory_allocated` over the run;
+- GPU ms per step by kind (matmul, attention kernels, loss, optimizer, other kernels) from a
+  torch.profiler trace of `--profile-steps` steps, and the host-bound time: wall time per profiled
+  step minus the time the GPU was busy (the union of kernel intervals).
+
+Each (family, library) runs in its own process so that one failure does not stop the others and
+memory starts clean. Results print as a table and go to `--out` (JSON) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+FAMILIES = ("rwkv7", "rwkv6", "gsa")
+LIBS = ("flame", "fla")
+KINDS = ("matmul", "attention", "loss", "optimizer", "other")
+
+
+def trainer_args(family: str, steps: int, dump_folder: str, overrides: list[str]) -> list[str]:
+    """The command line of `python -m flame.train` that the benchmark steps through."""
+    return [
+        "--config", str(REPO / "configs" / f"{family}_340M.toml"),
+        "--data.dataset", "embedded", "--data.tokenizer", "", "--data.streaming", "false",
+        "--data.num_workers", "0", "--model.vocab_size", "32000",
+        "--training.steps", str(steps), "--checkpoint.enable", "false",
+        "--metrics.val_freq", "0", "--metrics.log_freq", str(steps), "--metrics.enable_wandb", "false",
+        "--job.dump_folder", dump_folder,
+        *overrides,
+    ]
+
+
+# ---- kernel kinds ------------------------------------------------------------------------------
+
+_MATMUL_MARKS = ("gemm", "cutlass", "cublas", "nvjet", "xmma", "wgmma", "matmul", "_mm_")
+_OPTIMIZER_MARKS = ("adam", "multi_tensor", "foreach", "fused_sgd")
+
+
+def triton_kernel_names(prefixes: tuple[str, ...]) -> set[str]:
+    """Names of the Triton kernels defined in the loaded modules under `prefixes`."""
+    names = set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(prefixes):
+            continue
+        for value in vars(module).values():
+            fn = value
+            while hasattr(fn, "fn"):  # Autotuner / Heuristics wrap the JITFunction
+                fn = fn.fn
+            if type(fn).__name__ == "JITFunction":
+                names.add(fn.__name__)
+    return names
+
+
+def kernel_kind(name: str, attention: set[str], loss: set[str]) -> str:
+    base = name.split("(")[0]
+    if base in loss:
+        return "loss"
+    if base in attention:
+        return "attention"
+    low = name.lower()
+    if any(mark in low for mark in _MATMUL_MARKS):
+        return "matmul"
+    if any(mark in low for mark in _OPTIMIZER_MARKS):
+        return "optimizer"
+    return "other"
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals, in the intervals' unit."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+# ---- one (family, library) run, in a child process ---------------------------------------------
+
+def fla_model_factory(family: str):
+    """A factory of fla's model of `family`, shaped like flame's config, behind flame's model interface."""
+    import torch
+    from torch import nn
+
+    def build(args):
+        import fla.models as fm
+
+        common = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                      vocab_size=args.vocab_size, norm_eps=args.norm_eps,
+                      tie_word_embeddings=args.tie_word_embeddings, fuse_cross_entropy=False)
+        if family == "rwkv7":
+            config = fm.RWKV7Config(head_dim=args.head_dim, use_l2warp=False, **common)
+            model = fm.RWKV7ForCausalLM(config)
+        elif family == "rwkv6":
+            config = fm.RWKV6Config(num_heads=args.hidden_size // args.head_dim, expand_k=1.0,
+                                    expand_v=1.0, **common)
+            model = fm.RWKV6ForCausalLM(config)
+        else:
+            config = fm.GSAConfig(num_heads=args.num_heads, num_slots=args.num_slots,
+                                  gate_logit_normalizer=args.gate_logit_normalizer, **common)
+            model = fm.GSAForCausalLM(config)
+        l2wrap = family == "rwkv7" and bool(args.l2wrap)
+
+        class FlaLM(nn.Module):
+            """fla's model with flame's forward contract: logits, or the scaled CE sum given labels."""
+
+            def __init__(self):
+                super().__init__()
+                self.inner = model
+                self.layers = model.model.layers
+
+            def forward(self, input_ids, cu_seqlens=None, labels=None, loss_scale=1.0):
+                hidden = self.inner.model(input_ids=input_ids, cu_seqlens=cu_seqlens).last_hidden_state
+                weight = self.inner.lm_head.weight
+                if labels is None:
+                    return hidden @ weight.t()
+                from flame.ops.linear_cross_entropy import linear_cross_entropy
+                return linear_cross_entropy(hidden.flatten(0, 1), weight, labels.flatten(),
+                                            scale=loss_scale, l2wrap=l2wrap)
+
+            @torch.no_grad()
+            def init_weights(self):
+                self.inner.apply(self.inner._init_weights)
+
+            def num_flops_per_token(self, seq_len):
+                params = sum(p.numel() for p in self.parameters())
+                return 6 * (params - self.inner.model.embeddings.weight.numel())
+
+        return FlaLM()
+
+    return build
+
+
+def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int,
+              overrides: list[str]) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flame.config import load_config
+    from flame.train.trainer import Trainer
+
+    total = warmup + steps + profile_steps
+    with tempfile.TemporaryDirectory() as dump:
+        cfg = load_config(trainer_args(family, total, dump, overrides))
+        factory = fla_model_factory(family) if lib == "fla" else None
+        trainer = Trainer(cfg, model_factory=factory)
+        torch.cuda.reset_peak_memory_stats()
+        tokens_per_step = (cfg.training.batch_size * cfg.training.seq_len
+                           * cfg.training.gradient_accumulation_steps)
+
+        losses = []
+
+        def step() -> float:
+            batches = trainer.next_micro_batches()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = trainer.train_step(batches)
+            torch.cuda.synchronize()
+            if result.skipped:
+                raise RuntimeError(f"{family}/{lib}: step {trainer.state.step} was non-finite")
+            losses.append(result.loss)
+            return time.perf_counter() - start
+
+        times = [step() for _ in range(warmup + steps)]
+        first_step_s = times[0]
+        timed = times[warmup:]
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = sum(step() for _ in range(profile_steps))
+        peak = torch.cuda.max_memory_allocated() / 2**30
+
+        attention = triton_kernel_names(("flame.ops.rwkv", "flame.ops.gsa", "flame.ops.common",
+                                         "fla.ops"))
+        loss = triton_kernel_names(("flame.ops.linear_cross_entropy",))
+        by_kind = dict.fromkeys(KINDS, 0.0)
+        intervals = []
+        for event in prof.events():
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = event.device_time if hasattr(event, "device_time") else event.cuda_time
+            by_kind[kernel_kind(event.name, attention, loss)] += us / 1e3 / profile_steps
+            start = event.time_range.start
+            intervals.append((start, start + us))
+        gpu_busy = busy_ms(intervals) / 1e3 / profile_steps
+        wall_ms = wall * 1e3 / profile_steps
+        top = sorted(((e.key, (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
+                       / 1e3 / profile_steps) for e in prof.key_averages()), key=lambda kv: -kv[1])[:25]
+        return {
+            "family": family, "lib": lib, "compile": cfg.training.compile,
+            "tokens_per_s": tokens_per_step / statistics.median(timed),
+            "tokens_per_s_all": [tokens_per_step / t for t in timed],
+            "first_step_s": first_step_s,
+            "peak_gib": peak,
+            "gpu_ms_per_step": by_kind,
+            "gpu_busy_ms_per_step": gpu_busy,
+            "wall_ms_per_profiled_step": wall_ms,
+            "host_bound_ms_per_step": max(wall_ms - gpu_busy, 0.0),
+            "top_kernels_ms_per_step": top,
+            "losses": losses,
+        }
+
+
+# ---- the parent: one child per (family, library), then the table -------------------------------
+
+def fla_available() -> bool:
+    try:
+        import fla  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    overrides = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, overrides = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 2)[2])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--libs", default=",".join(LIBS))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, autotune)")
+    parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per (family, library) run")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        family, lib, out = args.child.split(":", 2)
+        result = run_child(family, lib, args.steps, args.warmup, args.profile_steps, overrides)
+        Path(out).write_text(json.dumps(result))
+        return 0
+
+    libs = [lib for lib in args.libs.split(",") if lib != "fla" or fla_available()]
+    results = []
+    for family in args.families.split(","):
+        for lib in libs:
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+                out = tmp.name
+            cmd = [sys.executable, __file__, "--child", f"{family}:{lib}:{out}", "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--", *overrides]
+            print(f"=== {family} / {lib}: {' '.join(cmd[2:])}", flush=True)
+            start = time.monotonic()
+            try:
+                proc = subprocess.run(cmd, timeout=args.timeout, env=os.environ.copy())
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            if code == 0:
+                result = json.loads(Path(out).read_text())
+            else:
+                result = {"family": family, "lib": lib, "error": f"exit {code}"}
+            result["run_s"] = time.monotonic() - start
+            os.unlink(out)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+
+    print()
+    print("| model | lib | compile | tokens/s | peak GiB | first step s | GPU ms/step: "
+          + " / ".join(KINDS) + " | busy | host-bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['family']} | {r['lib']} | - | {r['error']} | | | | | |")
+            continue
+        kinds = " / ".join(f"{r['gpu_ms_per_step'][k]:.1f}" for k in KINDS)
+        print(f"| {r['family']}_340M | {r['lib']} | {r['compile']} | {r['tokens_per_s'] / 1e3:.1f}K | "
+              f"{r['peak_gib']:.1f} | {r['first_step_s']:.1f} | {kinds} | {r['gpu_busy_ms_per_step']:.1f} | "
+              f"{r['host_bound_ms_per_step']:.1f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,10 +70,10 @@ def triton_kernel_names(prefixes: tuple[str, ...]) -> set[str]:
             continue
         for value in vars(module).values():
             fn = value
-            while hasattr(fn, "fn"):  # Autotuner / Heuristics wrap the JITFunction
+            while type(fn).__name__ != "JITFunction" and hasattr(fn, "fn"):  # Autotuner, Heuristics
                 fn = fn.fn
             if type(fn).__name__ == "JITFunction":
-                names.add(fn.__name__)
+                names.add(fn.fn.__name__)
     return names
 
 
@@ -202,18 +202,19 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
                                          "fla.ops"))
         loss = triton_kernel_names(("flame.ops.linear_cross_entropy",))
         by_kind = dict.fromkeys(KINDS, 0.0)
+        by_kernel: dict[str, float] = {}
         intervals = []
         for event in prof.events():
             if event.device_type != torch.autograd.DeviceType.CUDA:
                 continue
-            us = event.device_time if hasattr(event, "device_time") else event.cuda_time
-            by_kind[kernel_kind(event.name, attention, loss)] += us / 1e3 / profile_steps
-            start = event.time_range.start
-            intervals.append((start, start + us))
+            us = event.time_range.end - event.time_range.start
+            ms = us / 1e3 / profile_steps
+            by_kind[kernel_kind(event.name, attention, loss)] += ms
+            by_kernel[event.name[:120]] = by_kernel.get(event.name[:120], 0.0) + ms
+            intervals.append((event.time_range.start, event.time_range.end))
         gpu_busy = busy_ms(intervals) / 1e3 / profile_steps
         wall_ms = wall * 1e3 / profile_steps
-        top = sorted(((e.key, (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
-                       / 1e3 / profile_steps) for e in prof.key_averages()), key=lambda kv: -kv[1])[:25]
+        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:30]
         return {
             "family": family, "lib": lib, "compile": cfg.training.compile,
             "tokens_per_s": tokens_per_step / statistics.median(timed),

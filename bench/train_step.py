@@ -91,6 +91,13 @@ def kernel_kind(name: str, attention: set[str], loss: set[str]) -> str:
     return "other"
 
 
+def _is_annotation(event) -> bool:
+    """A user or library range on the GPU timeline (FSDP's, the optimizer's), not a kernel."""
+    if getattr(event, "is_user_annotation", False):
+        return True
+    return event.name.startswith(("FSDP::", "Optimizer.", "ProfilerStep", "## "))
+
+
 def busy_ms(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of (start, end) intervals, in the intervals' unit."""
     total, end = 0.0, float("-inf")
@@ -161,7 +168,7 @@ def fla_model_factory(family: str):
 
 
 def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int,
-              overrides: list[str]) -> dict:
+              overrides: list[str], host_top: int = 0) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,7 +197,21 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
             losses.append(result.loss)
             return time.perf_counter() - start
 
-        times = [step() for _ in range(warmup + steps)]
+        times = [step() for _ in range(warmup)]
+        host_profile = None
+        if host_top:
+            import cProfile
+            import io
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        times += [step() for _ in range(steps)]
+        if host_top:
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(host_top)
+            host_profile = text.getvalue()
         first_step_s = times[0]
         timed = times[warmup:]
 
@@ -205,7 +226,7 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
         by_kernel: dict[str, float] = {}
         intervals = []
         for event in prof.events():
-            if event.device_type != torch.autograd.DeviceType.CUDA:
+            if event.device_type != torch.autograd.DeviceType.CUDA or _is_annotation(event):
                 continue
             us = event.time_range.end - event.time_range.start
             ms = us / 1e3 / profile_steps
@@ -213,7 +234,7 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
             by_kernel[event.name[:120]] = by_kernel.get(event.name[:120], 0.0) + ms
             intervals.append((event.time_range.start, event.time_range.end))
         gpu_busy = busy_ms(intervals) / 1e3 / profile_steps
-        wall_ms = wall * 1e3 / profile_steps
+        step_ms = statistics.median(timed) * 1e3
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:30]
         return {
             "family": family, "lib": lib, "compile": cfg.training.compile,
@@ -223,8 +244,10 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
             "peak_gib": peak,
             "gpu_ms_per_step": by_kind,
             "gpu_busy_ms_per_step": gpu_busy,
-            "wall_ms_per_profiled_step": wall_ms,
-            "host_bound_ms_per_step": max(wall_ms - gpu_busy, 0.0),
+            "wall_ms_per_step": step_ms,
+            "wall_ms_per_profiled_step": wall * 1e3 / profile_steps,
+            "host_bound_ms_per_step": max(step_ms - gpu_busy, 0.0),
+            "host_profile": host_profile,
             "top_kernels_ms_per_step": top,
             "losses": losses,
         }
@@ -254,6 +277,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, autotune)")
     parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also profile the host side of the timed steps (cProfile): the N functions "
+                             "with the most own time (the timed tokens/s then include its overhead)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per (family, library) run")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -261,7 +287,8 @@ def main() -> int:
 
     if args.child:
         family, lib, out = args.child.split(":", 2)
-        result = run_child(family, lib, args.steps, args.warmup, args.profile_steps, overrides)
+        result = run_child(family, lib, args.steps, args.warmup, args.profile_steps, overrides,
+                           args.host_profile)
         Path(out).write_text(json.dumps(result))
         return 0
 
@@ -272,7 +299,8 @@ def main() -> int:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 out = tmp.name
             cmd = [sys.executable, __file__, "--child", f"{family}:{lib}:{out}", "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--", *overrides]
+                   "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
+                   "--host-profile", str(args.host_profile), "--", *overrides]
             print(f"=== {family} / {lib}: {' '.join(cmd[2:])}", flush=True)
             start = time.monotonic()
             try:
@@ -287,6 +315,8 @@ def main() -> int:
             result["run_s"] = time.monotonic() - start
             os.unlink(out)
             results.append(result)
+            if result.get("host_profile"):
+                print(result.pop("host_profile"), flush=True)
             print(json.dumps(result), flush=True)
 
     print()

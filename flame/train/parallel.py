@@ -7,9 +7,10 @@
 - torchtitan's ParallelDims builds the mesh: data_parallel_shard_degree is FSDP, adding
   data_parallel_replicate_degree gives HSDP, replicate alone is DDP-style replication.
 - `parallelize` applies, in this order, activation checkpointing (torchtitan's FullAC /
-  SelectiveAC), per-block torch.compile, and `fully_shard` per block and at the root with the
-  MixedPrecisionPolicy of the config and FSDP's own gradient averaging turned off: the loss is
-  already normalised by the global valid-token count, so gradients are summed, not averaged.
+  SelectiveAC), per-block torch.compile, and `fully_shard` per block and at the root (at the root
+  alone on one data-parallel rank) with the MixedPrecisionPolicy of the config and FSDP's own
+  gradient averaging turned off: the loss is already normalised by the global valid-token count,
+  so gradients are summed, not averaged.
 """
 
 from __future__ import annotations
@@ -149,11 +150,19 @@ def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     else:  # CPU (gloo, CI): full fp32, the exact reference
         mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    blocks = list(model.layers)
-    for index, block in enumerate(blocks):
-        # the last block's parameters are needed again at once by the root: keep them gathered
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=index < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if mesh.size() > 1:
+        blocks = list(model.layers)
+        for index, block in enumerate(blocks):
+            # the last block's parameters are needed again at once by the root: keep them gathered
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=index < len(blocks) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    else:
+        # one data-parallel rank: sharding saves no memory, so the whole model is one FSDP unit that
+        # stays gathered from the forward to the backward. The mixed precision is the same as on N
+        # ranks (bf16 compute copies, fp32 master weights and gradient accumulation), at one gather
+        # and one reduction per micro-batch instead of a pair of hooks and up to two gathers per block,
+        # whose per-parameter host work the GPU otherwise waits on.
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # the step objective is already divided by the global token count: sum, do not average
     # (plain SUM collectives: no PREMUL_SUM, which gloo lacks, and no post-division)
     from torch.distributed.fsdp import FSDPModule

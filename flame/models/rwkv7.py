@@ -114,7 +114,8 @@ class RWKV7Attention(nn.Module):
         else:
             if v_first is None:
                 raise ValueError(f"RWKV7 layer {self.layer_id} needs v_first from layer 0")
-            v = torch.lerp(v, v_first, torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2))
+            # v + (v_first - v) * gate rather than torch.lerp, which refuses mixed dtypes under autocast
+            v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
         a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
         g = torch.sigmoid(xg @ self.g1) @ self.g2
 

@@ -83,7 +83,6 @@ def _rwkv6_cases():
         ("u_shape", dict(u=torch.randn(2, 5)), ValueError, r"u must have shape \[H, K\] = \(2, 4\)"),
         ("u_1d", dict(u=torch.randn(4)), ValueError, "u must be a 2-D tensor"),
         ("int_dtype", dict(r=r.long(), k=k.long(), v=v.long(), w=w.long()), TypeError, "floating dtype"),
-        ("mixed_dtypes", dict(k=k.bfloat16()), TypeError, "must share one dtype; r is torch.float32 but k"),
         ("device", dict(u=u.to("meta")), ValueError, "every tensor must be on one device"),
         ("scale_tensor", dict(scale=torch.tensor(1.0)), TypeError, "scale must be a Python number"),
         ("scale_nan", dict(scale=float("nan")), ValueError, "scale must be finite"),
@@ -175,8 +174,22 @@ def test_rwkv7_state_and_dtype(op):
     x = make_rwkv7_inputs(2, 8, 2, 4, 6)
     with pytest.raises(ValueError, match=r"initial_state must have shape \[N, H, K, V\] = \(2, 2, 4, 6\)"):
         op(**{**x, "initial_state": torch.zeros(2, 2, 6, 4)})
-    with pytest.raises(TypeError, match="must share one dtype"):
-        op(**{**x, "a": x["a"].half()})
+    # mixed dtypes compute in the promoted dtype, exactly as the inputs cast up front
+    mixed = op(**{**x, "a": x["a"].half()})
+    cast = op(**{**x, "a": x["a"].half().float()})
+    torch.testing.assert_close(mixed[0], cast[0], rtol=0, atol=0)
+    assert mixed[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("op", RWKV7_OPS)
+def test_rwkv7_autocast_computes_in_the_autocast_dtype(op):
+    x = make_rwkv7_inputs(2, 8, 2, 4, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = op(**{**x, "r": x["r"].bfloat16()})  # bf16 activations beside fp32 ones, as autocast makes
+    cast = {n: (t.bfloat16() if n in "rwkvab" else t) for n, t in x.items()}
+    ref, _ = op(**cast)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("op", RWKV7_OPS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..backend import resolve_backend, run_eager
+from ..dtypes import autocast_off, to_compute_dtype
 from ..checks import check_gsa_inputs
 from ..decay_chunks import compute_dtype
 from .naive import naive_gsa
@@ -20,8 +21,10 @@ def fused_recurrent_gsa_torch(q, k, v, s, g, scale=1.0, initial_state=None, outp
 def fused_recurrent_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
                         backend="auto"):
     """Gated slot attention computed token by token; same arguments and results as `chunk_gsa`."""
+    q, k, v, s, g = to_compute_dtype(q, k, v, s, g)
     check_gsa_inputs("fused_recurrent_gsa", q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
-    if resolve_backend(backend, q.device, "fused_recurrent_gsa") == "triton":
-        from .fused_recurrent_triton import fused_recurrent_gsa_triton
-        return run_eager(fused_recurrent_gsa_triton, q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
-    return fused_recurrent_gsa_torch(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
+    with autocast_off(q.device):
+        if resolve_backend(backend, q.device, "fused_recurrent_gsa") == "triton":
+            from .fused_recurrent_triton import fused_recurrent_gsa_triton
+            return run_eager(fused_recurrent_gsa_triton, q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
+        return fused_recurrent_gsa_torch(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)

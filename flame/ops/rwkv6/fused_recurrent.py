@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..backend import resolve_backend, run_eager
+from ..dtypes import autocast_off, to_compute_dtype
 from ..checks import check_rwkv6_inputs
 from ..decay_chunks import compute_dtype
 from .naive import naive_rwkv6
@@ -20,8 +21,10 @@ def fused_recurrent_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, ou
 def fused_recurrent_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
                           backend="auto"):
     """RWKV6 attention computed token by token; same arguments and results as `chunk_rwkv6`."""
+    r, k, v, w, u = to_compute_dtype(r, k, v, w, u)
     check_rwkv6_inputs("fused_recurrent_rwkv6", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
-    if resolve_backend(backend, r.device, "fused_recurrent_rwkv6") == "triton":
-        from .fused_recurrent_triton import fused_recurrent_rwkv6_triton
-        return run_eager(fused_recurrent_rwkv6_triton, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
-    return fused_recurrent_rwkv6_torch(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
+    with autocast_off(r.device):
+        if resolve_backend(backend, r.device, "fused_recurrent_rwkv6") == "triton":
+            from .fused_recurrent_triton import fused_recurrent_rwkv6_triton
+            return run_eager(fused_recurrent_rwkv6_triton, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
+        return fused_recurrent_rwkv6_torch(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..backend import resolve_backend, run_eager
+from ..dtypes import autocast_off, to_compute_dtype
 from ..checks import check_rwkv7_inputs
 from .chunk_torch import chunk_rwkv7_torch
 
@@ -14,7 +15,7 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     Args:
         r, w, k, a, b: [B, T, H, K] token-major (not head-first [B, H, T, K]); w is the log-decay
             (<= 0). In the RWKV7 layer a = -kappa_hat and b = kappa_hat * alpha.
-        v: [B, T, H, V] (K != V allowed). All six share a floating dtype (fp32, fp16, bf16, fp64).
+        v: [B, T, H, V] (K != V allowed). Mixed floating dtypes are cast to one compute dtype (flame.ops.dtypes: the autocast dtype under autocast, else the promoted one).
         scale: multiplies r (the RWKV7 layer uses 1.0).
         initial_state: [N, H, K, V] or None; N = B, or len(cu_seqlens) - 1 in varlen mode.
         output_final_state: return the final state.
@@ -35,10 +36,12 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     inputs without a state cannot be detected), dtypes, devices, bad cu_seqlens, a positive
     log-decay or a violated gate_lower_bound (value checks, see flame.ops.checks).
     """
+    r, w, k, v, a, b = to_compute_dtype(r, w, k, v, a, b)
     check_rwkv7_inputs("chunk_rwkv7", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                        gate_lower_bound)
-    if resolve_backend(backend, r.device, "chunk_rwkv7") == "triton":
-        from .chunk_triton import chunk_rwkv7_triton
-        return run_eager(chunk_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                         gate_lower_bound, cache_intermediates)
-    return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
+    with autocast_off(r.device):
+        if resolve_backend(backend, r.device, "chunk_rwkv7") == "triton":
+            from .chunk_triton import chunk_rwkv7_triton
+            return run_eager(chunk_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                             gate_lower_bound, cache_intermediates)
+        return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..backend import resolve_backend, run_eager
+from ..dtypes import autocast_off, to_compute_dtype
 from ..checks import check_rwkv7_inputs
 from ..decay_chunks import compute_dtype
 from .naive import naive_rwkv7
@@ -20,9 +21,11 @@ def fused_recurrent_rwkv7_torch(r, w, k, v, a, b, scale=1.0, initial_state=None,
 def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
                           cu_seqlens=None, backend="auto", gate_lower_bound=None):
     """RWKV7 attention computed token by token; same arguments and results as `chunk_rwkv7`."""
+    r, w, k, v, a, b = to_compute_dtype(r, w, k, v, a, b)
     check_rwkv7_inputs("fused_recurrent_rwkv7", r, w, k, v, a, b, scale, initial_state, output_final_state,
                        cu_seqlens, gate_lower_bound)
-    if resolve_backend(backend, r.device, "fused_recurrent_rwkv7") == "triton":
-        from .fused_recurrent_triton import fused_recurrent_rwkv7_triton
-        return run_eager(fused_recurrent_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
-    return fused_recurrent_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
+    with autocast_off(r.device):
+        if resolve_backend(backend, r.device, "fused_recurrent_rwkv7") == "triton":
+            from .fused_recurrent_triton import fused_recurrent_rwkv7_triton
+            return run_eager(fused_recurrent_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
+        return fused_recurrent_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

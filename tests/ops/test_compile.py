@@ -41,3 +41,41 @@ def test_triton_op_inside_torch_compile_equals_eager(family, op):
         assert (a is None) == (b is None), name
         if a is not None:
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
+
+
+def test_chunk_rwkv7_traces_into_one_graph():
+    """Fixed-length chunk_rwkv7 is a custom op pair (torch.ops.flame.chunk_rwkv7_fwd / _bwd): a compiled
+    function around it has no graph break (fullgraph=True), and equals the eager call bitwise. Value
+    checks are off, as in training (they read values on the host)."""
+    torch._dynamo.reset()
+    previous = ops.checks.value_checks_enabled()
+    ops.set_value_checks(False)
+    try:
+        _compare_rwkv7_fullgraph()
+    finally:
+        ops.set_value_checks(previous)
+
+
+def _compare_rwkv7_fullgraph():
+    inputs = make_inputs("rwkv7", B=1, T=40, H=2, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
+                         requires_grad=True, seed=5)
+
+    def run(**kw):
+        kw["r"] = kw["r"] * 1.0
+        o, state = ops.chunk_rwkv7(**kw, backend="triton", gate_lower_bound=-0.6065306597126334)
+        return o * 2, state
+
+    eager = forward_backward(run, inputs)
+    compiled = forward_backward(torch.compile(run, backend="aot_eager", fullgraph=True), inputs)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
+    for name, grad in eager[2].items():
+        if grad is not None:
+            torch.testing.assert_close(compiled[2][name], grad, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
+
+
+def test_chunk_rwkv7_custom_ops_pass_opcheck():
+    inputs = make_inputs("rwkv7", B=1, T=20, H=1, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
+                         requires_grad=True, seed=6)
+    args = tuple(inputs[n] for n in ("r", "w", "k", "v", "a", "b")) + (None, 1.0, None, True, True)
+    torch.library.opcheck(torch.ops.flame.chunk_rwkv7_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend, run_eager
+from ..backend import resolve_backend
 from ..dtypes import autocast_off, to_compute_dtype
 from ..checks import check_rwkv7_inputs
 from .chunk_torch import chunk_rwkv7_torch
@@ -42,6 +42,6 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     with autocast_off(r.device):
         if resolve_backend(backend, r.device, "chunk_rwkv7") == "triton":
             from .chunk_triton import chunk_rwkv7_triton
-            return run_eager(chunk_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                             gate_lower_bound, cache_intermediates)
+            return chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                                      gate_lower_bound, cache_intermediates)
         return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

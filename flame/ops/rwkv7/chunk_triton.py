@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import run_eager
 from ..common.intra import mm_prec, mm_tf32_if, round_to_bf16
 from .wy_inverse_triton import unit_lower_inverse
 
@@ -923,57 +924,155 @@ def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
     return dq, dw, dk, da, db
 
 
+def _forward(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, gate_lower_bound, need_grad, cache):
+    """o, the final state (or None), and what the backward needs: the plan, the per-chunk states hs and
+    the intermediates (all of them with `cache`, else the WY inverse Tm alone; None without need_grad)."""
+    r, w, k, v, a, b = (x.contiguous() for x in (r, w, k, v, a, b))
+    plan = _Plan(r, v, cu_seqlens, gate_lower_bound)
+    H, K, V = plan.H, plan.K, plan.V
+    cache = need_grad and cache
+    # the backward needs Tm: the forward keeps it also when it recomputes the rest (128 bytes per token
+    # and head at C = 32; its inverse is the longest chain of the recomputation)
+    pre = _prepare(plan, r, w, k, a, b, scale, store_bwd=cache, keep_tm=need_grad)
+    hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32) if need_grad else None
+    ht = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if output_final_state else None
+    h0 = h0.contiguous() if h0 is not None else None
+    o = torch.empty_like(v)
+    _scan_fwd_kernel[(plan.N * H, plan.NV)](
+        v, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
+        H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=need_grad,
+        STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN,
+        num_stages=plan.scan_stages,
+    )
+    saved = (pre if cache else {"Tm": pre["Tm"]}) if need_grad else None
+    return o, ht, plan, hs, saved
+
+
+def _backward(plan, saved, r, w, k, v, a, b, hs, scale, has_h0, do, dht):
+    """dr, dw, dk, dv, da, db and dh0 (None without an initial state) of one call."""
+    H, K, V = plan.H, plan.K, plan.V
+    pre = saved if "Qs" in saved else _prepare(plan, r, w, k, a, b, scale, store_bwd=True, keep_tm=True,
+                                                 tm=saved["Tm"])
+    do = do.contiguous()
+    dhs = torch.empty_like(hs)
+    dh0 = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if has_h0 else None
+    dv = torch.empty_like(v)
+    _scan_bwd_kernel[(plan.N * H, plan.NV)](
+        do, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], dht.contiguous() if dht is not None else None,
+        dhs, dh0, dv, plan.cu, plan.chunk_offsets,
+        H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
+        LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
+    )
+    dr, dw, dk, da, db = _chunk_bwd(plan, pre, r, w, k, v, a, b, do, hs, dhs, scale)
+    return dr, dw, dk, dv, da, db, dh0
+
+
 class ChunkRWKV7Function(torch.autograd.Function):
+    """The autograd path for calls the custom ops below do not take (varlen, cached intermediates)."""
+
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, gate_lower_bound,
                 cache_intermediates):
-        r, w, k, v, a, b = (x.contiguous() for x in (r, w, k, v, a, b))
-        plan = _Plan(r, v, cu_seqlens, gate_lower_bound)
-        H, K, V = plan.H, plan.K, plan.V
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 4, 5, 7))
-        cache = need_grad and cache_intermediates
-        # the backward needs Tm: the forward keeps it also when it recomputes the rest (128 bytes per token
-        # and head at C = 32; its inverse is the longest chain of the recomputation)
-        pre = _prepare(plan, r, w, k, a, b, scale, store_bwd=cache, keep_tm=need_grad)
-        hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32) if need_grad else None
-        ht = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if output_final_state else None
-        h0 = initial_state.contiguous() if initial_state is not None else None
-        o = torch.empty_like(v)
-        _scan_fwd_kernel[(plan.N * H, plan.NV)](
-            v, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
-            H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=need_grad,
-            STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN,
-            num_stages=plan.scan_stages,
-        )
+        o, ht, plan, hs, saved = _forward(r, w, k, v, a, b, scale, initial_state, output_final_state,
+                                          cu_seqlens, gate_lower_bound, need_grad, cache_intermediates)
         if need_grad:
-            ctx.save_for_backward(r, w, k, v, a, b, hs)
-            ctx.plan = plan
-            ctx.scale = scale
+            ctx.save_for_backward(*(x.contiguous() for x in (r, w, k, v, a, b)), hs)
+            ctx.plan, ctx.scale, ctx.saved = plan, scale, saved
             ctx.has_h0 = initial_state is not None
-            ctx.pre = pre if cache else None
-            ctx.tm = pre["Tm"] if need_grad else None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         r, w, k, v, a, b, hs = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
-        H, K, V = plan.H, plan.K, plan.V
-        pre = ctx.pre if ctx.pre is not None else _prepare(plan, r, w, k, a, b, scale, store_bwd=True,
-                                                           keep_tm=True, tm=ctx.tm)
-        ctx.pre = ctx.tm = None
-        do = do.contiguous()
-        dhs = torch.empty_like(hs)
-        dh0 = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if ctx.has_h0 else None
-        dv = torch.empty_like(v)
-        _scan_bwd_kernel[(plan.N * H, plan.NV)](
-            do, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], dht.contiguous() if dht is not None else None,
-            dhs, dh0, dv, plan.cu, plan.chunk_offsets,
-            H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=ctx.has_h0,
-            LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
-        )
-        dr, dw, dk, da, db = _chunk_bwd(plan, pre, r, w, k, v, a, b, do, hs, dhs, scale)
+        saved, ctx.saved = ctx.saved, None
+        dr, dw, dk, dv, da, db, dh0 = _backward(ctx.plan, saved, r, w, k, v, a, b, hs, ctx.scale, ctx.has_h0,
+                                                do, dht)
         return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# custom ops: what torch.compile sees
+# ------------------------------------------------------------------------------------------------
+# A compiled block traces `torch.ops.flame.chunk_rwkv7_fwd` / `_bwd` as two opaque nodes, so Inductor
+# fuses the glue on both sides of the attention and the block stays one graph. The forward returns
+# every tensor its backward reads (the per-chunk states hs and the WY inverse Tm), whose shapes follow
+# from the input shapes alone for fixed-length calls; varlen calls (chunk counts that depend on the
+# offsets' values) and cached intermediates keep the autograd.Function above.
+
+_EMPTY = (0,)
+
+
+def _fixed_length_shapes(r, v, gate_lower_bound):
+    """(chunk size, number of chunks) of a fixed-length call, as _Plan chooses them."""
+    B, T = r.shape[:2]
+    bt = centred_chunk_size(gate_lower_bound)
+    bt = min(bt, 32) if bt is not None else 16
+    return bt, B * triton.cdiv(T, bt)
+
+
+@torch.library.custom_op("flame::chunk_rwkv7_fwd", mutates_args=())
+def _chunk_rwkv7_fwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                        b: torch.Tensor, h0: torch.Tensor | None, scale: float, gate_lower_bound: float | None,
+                        output_final_state: bool, need_grad: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    o, ht, _, hs, saved = _forward(r, w, k, v, a, b, scale, h0, output_final_state, None, gate_lower_bound,
+                                   need_grad, False)
+    empty = r.new_empty(_EMPTY, dtype=torch.float32)
+    return (o, ht if ht is not None else empty, hs if hs is not None else empty,
+            saved["Tm"] if saved is not None else empty.clone())
+
+
+@_chunk_rwkv7_fwd_op.register_fake
+def _(r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad):
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    bt, nt = _fixed_length_shapes(r, v, gate_lower_bound)
+    f32 = dict(dtype=torch.float32)
+    return (torch.empty_like(v, memory_format=torch.contiguous_format),
+            r.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
+            r.new_empty((nt, H, K, V) if need_grad else _EMPTY, **f32),
+            r.new_empty((B, T, H, bt) if need_grad else _EMPTY, **f32))
+
+
+@torch.library.custom_op("flame::chunk_rwkv7_bwd", mutates_args=())
+def _chunk_rwkv7_bwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                        b: torch.Tensor, hs: torch.Tensor, tm: torch.Tensor, do: torch.Tensor,
+                        dht: torch.Tensor | None, scale: float, gate_lower_bound: float | None, has_h0: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor]:
+    r, w, k, v, a, b = (x.contiguous() for x in (r, w, k, v, a, b))
+    plan = _Plan(r, v, None, gate_lower_bound)
+    grads = _backward(plan, {"Tm": tm}, r, w, k, v, a, b, hs, scale, has_h0, do, dht)
+    dh0 = grads[-1] if grads[-1] is not None else r.new_empty(_EMPTY, dtype=torch.float32)
+    return (*grads[:-1], dh0)
+
+
+@_chunk_rwkv7_bwd_op.register_fake
+def _(r, w, k, v, a, b, hs, tm, do, dht, scale, gate_lower_bound, has_h0):
+    B, _, H, K = r.shape
+    V = v.shape[-1]
+    grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (r, w, k, v, a, b))
+    return (*grads, r.new_empty((B, H, K, V) if has_h0 else _EMPTY, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad = inputs
+    _, _, hs, tm = output
+    ctx.save_for_backward(r, w, k, v, a, b, hs, tm)
+    ctx.scale, ctx.gate_lower_bound = scale, gate_lower_bound
+    ctx.has_h0, ctx.output_final_state = h0 is not None, output_final_state
+
+
+def _backward_op(ctx, do, dht, dhs, dtm):
+    r, w, k, v, a, b, hs, tm = ctx.saved_tensors
+    dr, dw, dk, dv, da, db, dh0 = torch.ops.flame.chunk_rwkv7_bwd(
+        r, w, k, v, a, b, hs, tm, do, dht if ctx.output_final_state else None, ctx.scale,
+        ctx.gate_lower_bound, ctx.has_h0)
+    return dr, dw, dk, dv, da, db, (dh0 if ctx.has_h0 else None), None, None, None, None
+
+
+_chunk_rwkv7_fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
 
 
 def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -998,6 +1097,14 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
         # the per-chunk tiles of the whole key dimension no longer fit one program (registers, shared
         # memory); the fused recurrent kernels compute the same function exactly, step by step
         from .fused_recurrent_triton import fused_recurrent_rwkv7_triton
-        return fused_recurrent_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
-    return ChunkRWKV7Function.apply(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                                    gate_lower_bound, cache_intermediates)
+        return run_eager(fused_recurrent_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state,
+                         cu_seqlens)
+    if cu_seqlens is None and not cache_intermediates:
+        need_grad = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (r, w, k, v, a, b, initial_state))
+        o, ht, _, _ = torch.ops.flame.chunk_rwkv7_fwd(
+            r, w, k, v, a, b, initial_state, float(scale),
+            None if gate_lower_bound is None else float(gate_lower_bound), bool(output_final_state), need_grad)
+        return o, (ht if output_final_state else None)
+    return run_eager(ChunkRWKV7Function.apply, r, w, k, v, a, b, scale, initial_state, output_final_state,
+                     cu_seqlens, gate_lower_bound, cache_intermediates)

@@ -176,6 +176,10 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
     from flame.train.trainer import Trainer
 
     total = warmup + steps + profile_steps
+    if lib == "fla":
+        # fla's model does not compile: Inductor rejects the in-place use of views that its custom
+        # autograd Functions return (torch 2.11); it runs eager, with its own fused Triton glue
+        overrides = [*overrides, "--training.compile", "false"]
     with tempfile.TemporaryDirectory() as dump:
         cfg = load_config(trainer_args(family, total, dump, overrides))
         factory = fla_model_factory(family) if lib == "fla" else None

@@ -6,6 +6,8 @@ the H100 ("Both operands must be same dtype. Got fp64 and fp32") and, under the 
 fake-tensor tracing. Results must equal the eager call bitwise.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -43,39 +45,47 @@ def test_triton_op_inside_torch_compile_equals_eager(family, op):
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
 
 
-def test_chunk_rwkv7_traces_into_one_graph():
-    """Fixed-length chunk_rwkv7 is a custom op pair (torch.ops.flame.chunk_rwkv7_fwd / _bwd): a compiled
-    function around it has no graph break (fullgraph=True), and equals the eager call bitwise. Value
-    checks are off, as in training (they read values on the host)."""
+FULLGRAPH_CASES = [("rwkv7", ops.chunk_rwkv7, dict(gate_lower_bound=-0.6065306597126334)),
+                   ("rwkv6", ops.chunk_rwkv6, {})]
+
+
+@pytest.mark.parametrize("family, op, extra", FULLGRAPH_CASES, ids=[c[0] for c in FULLGRAPH_CASES])
+def test_fixed_length_chunk_op_traces_into_one_graph(family, op, extra):
+    """Fixed-length chunk_rwkv7 / chunk_rwkv6 are custom op pairs (torch.ops.flame.chunk_*_fwd / _bwd):
+    a compiled function around one has no graph break (fullgraph=True) and equals the eager call
+    bitwise. Value checks are off, as in training (they read values on the host)."""
     torch._dynamo.reset()
     previous = ops.checks.value_checks_enabled()
     ops.set_value_checks(False)
     try:
-        _compare_rwkv7_fullgraph()
+        inputs = make_inputs(family, B=1, T=40, H=2, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
+                             requires_grad=True, seed=5)
+
+        def run(**kw):
+            first = next(iter(kw))
+            kw[first] = kw[first] * 1.0
+            o, state = op(**kw, backend="triton", **extra)
+            return o * 2, state
+
+        eager = forward_backward(run, inputs)
+        compiled = forward_backward(torch.compile(run, backend="aot_eager", fullgraph=True), inputs)
     finally:
         ops.set_value_checks(previous)
-
-
-def _compare_rwkv7_fullgraph():
-    inputs = make_inputs("rwkv7", B=1, T=40, H=2, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
-                         requires_grad=True, seed=5)
-
-    def run(**kw):
-        kw["r"] = kw["r"] * 1.0
-        o, state = ops.chunk_rwkv7(**kw, backend="triton", gate_lower_bound=-0.6065306597126334)
-        return o * 2, state
-
-    eager = forward_backward(run, inputs)
-    compiled = forward_backward(torch.compile(run, backend="aot_eager", fullgraph=True), inputs)
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
     for name, grad in eager[2].items():
         if grad is not None:
             torch.testing.assert_close(compiled[2][name], grad, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
 
 
-def test_chunk_rwkv7_custom_ops_pass_opcheck():
-    inputs = make_inputs("rwkv7", B=1, T=20, H=1, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv6"])
+def test_chunk_custom_ops_pass_opcheck(family):
+    importlib.import_module(f"flame.ops.{family}.chunk_triton")  # registers the ops
+    inputs = make_inputs(family, B=1, T=20, H=1, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
                          requires_grad=True, seed=6)
-    args = tuple(inputs[n] for n in ("r", "w", "k", "v", "a", "b")) + (None, 1.0, None, True, True)
-    torch.library.opcheck(torch.ops.flame.chunk_rwkv7_fwd.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    if family == "rwkv7":
+        op = torch.ops.flame.chunk_rwkv7_fwd.default
+        args = tuple(inputs[n] for n in ("r", "w", "k", "v", "a", "b")) + (None, 1.0, None, True, True)
+    else:
+        op = torch.ops.flame.chunk_rwkv6_fwd.default
+        args = tuple(inputs[n] for n in ("r", "k", "v", "w", "u")) + (None, 1.0, True, 64)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

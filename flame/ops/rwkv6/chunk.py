@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend, run_eager
+from ..backend import resolve_backend
 from ..dtypes import autocast_off, to_compute_dtype
 from ..checks import check_rwkv6_inputs
 from .chunk_torch import chunk_rwkv6_torch
@@ -35,5 +35,5 @@ def chunk_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state
     with autocast_off(r.device):
         if resolve_backend(backend, r.device, "chunk_rwkv6") == "triton":
             from .chunk_triton import chunk_rwkv6_triton
-            return run_eager(chunk_rwkv6_triton, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
+            return chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
         return chunk_rwkv6_torch(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)

@@ -14,48 +14,121 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import run_eager
 from ..common import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
                       chunk_local_cumsum, chunk_local_states, chunk_output, chunk_scan_states, dot_dtype)
 
 CHUNK_SIZE = 64
 
 
+def _forward(r, k, v, w, u, scale, h0, output_final_state, cu_seqlens, chunk_size):
+    """(o, final state or None, A: the intra-chunk matrix the backward reads)."""
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    layout = chunk_layout(B, T, cu_seqlens, chunk_size, r.device)
+    DT = dot_dtype(v.dtype, K)
+    BK, BV = block_sizes(K, V)
+    gc = chunk_local_cumsum(w, layout)
+    A, h = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK, v=v, block_v=BV)
+    h, ht = chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
+    o = chunk_output(r, v, gc, h, A, layout, scale, True, DT, BK, BV)
+    return o, ht, A
+
+
+def _backward(r, k, v, w, u, h0, A, scale, cu_seqlens, chunk_size, do, dht):
+    """dr, dk, dv, dw, du (fp32) and dh0 (fp32, or None without an initial state)."""
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    layout = chunk_layout(B, T, cu_seqlens, chunk_size, r.device)
+    DT = dot_dtype(v.dtype, K)
+    BK, BV = block_sizes(K, V)
+    do = do.contiguous()
+    dht = dht.float().contiguous() if dht is not None else None
+    gc = chunk_local_cumsum(w, layout)
+    h, dh = chunk_local_states(r, k, v, do, gc, layout, scale, True, DT, fwd=True, bwd=True)
+    h, _ = chunk_scan_states(h, gc, layout, h0, False, reverse=False)
+    dh, dh0 = chunk_scan_states(dh, gc, layout, dht, h0 is not None, reverse=True)
+    dv, dA, dAd = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, True, True, DT, BK, BV)
+    dr, dk, dw, du = chunk_dqkg_from_dA(r, k, v, w, gc, u, h, do, dh, dA, dAd, layout, scale, True,
+                                        DT, BK, BV)
+    return dr, dk, dv, dw, du, dh0
+
+
 class ChunkRWKV6Function(torch.autograd.Function):
+    """The autograd path of varlen calls, which the custom ops below do not take."""
+
     @staticmethod
     def forward(ctx, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
-        B, T, H, K = r.shape
-        V = v.shape[-1]
-        layout = chunk_layout(B, T, cu_seqlens, chunk_size, r.device)
-        DT = dot_dtype(v.dtype, K)
-        BK, BV = block_sizes(K, V)
         h0 = initial_state.float().contiguous() if initial_state is not None else None
-        gc = chunk_local_cumsum(w, layout)
-        A, h = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK, v=v, block_v=BV)
-        h, ht = chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
-        o = chunk_output(r, v, gc, h, A, layout, scale, True, DT, BK, BV)
+        o, ht, A = _forward(r, k, v, w, u, scale, h0, output_final_state, cu_seqlens, chunk_size)
         ctx.save_for_backward(r, k, v, w, u, h0, A)
-        ctx.layout, ctx.scale = layout, scale
+        ctx.meta = (scale, cu_seqlens, chunk_size)
         ctx.h0_dtype = initial_state.dtype if initial_state is not None else None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         r, k, v, w, u, h0, A = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
-        K, V = r.shape[-1], v.shape[-1]
-        DT = dot_dtype(v.dtype, K)
-        BK, BV = block_sizes(K, V)
-        do = do.contiguous()
-        dht = dht.float().contiguous() if dht is not None else None
-        gc = chunk_local_cumsum(w, layout)
-        h, dh = chunk_local_states(r, k, v, do, gc, layout, scale, True, DT, fwd=True, bwd=True)
-        h, _ = chunk_scan_states(h, gc, layout, h0, False, reverse=False)
-        dh, dh0 = chunk_scan_states(dh, gc, layout, dht, h0 is not None, reverse=True)
-        dv, dA, dAd = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, True, True, DT, BK, BV)
-        dr, dk, dw, du = chunk_dqkg_from_dA(r, k, v, w, gc, u, h, do, dh, dA, dAd, layout, scale, True,
-                                            DT, BK, BV)
+        scale, cu_seqlens, chunk_size = ctx.meta
+        dr, dk, dv, dw, du, dh0 = _backward(r, k, v, w, u, h0, A, scale, cu_seqlens, chunk_size, do, dht)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
         return dr, dk, dv, dw, du.to(u.dtype), None, dh0, None, None, None
+
+
+# custom ops: what torch.compile sees for fixed-length calls (one opaque node each way, so Inductor
+# fuses the glue on both sides and the block stays one graph); A's shape follows from the inputs'.
+
+_EMPTY = (0,)
+
+
+@torch.library.custom_op("flame::chunk_rwkv6_fwd", mutates_args=())
+def _chunk_rwkv6_fwd_op(r: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                        h0: torch.Tensor | None, scale: float, output_final_state: bool, chunk_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    o, ht, A = _forward(r, k, v, w, u, scale, h0, output_final_state, None, chunk_size)
+    return o, ht if ht is not None else r.new_empty(_EMPTY, dtype=torch.float32), A
+
+
+@_chunk_rwkv6_fwd_op.register_fake
+def _(r, k, v, w, u, h0, scale, output_final_state, chunk_size):
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    return (torch.empty_like(v, memory_format=torch.contiguous_format),
+            r.new_empty((B, H, K, V) if output_final_state else _EMPTY, dtype=torch.float32),
+            r.new_empty((B, T, H, chunk_size), dtype=torch.float32))
+
+
+@torch.library.custom_op("flame::chunk_rwkv6_bwd", mutates_args=())
+def _chunk_rwkv6_bwd_op(r: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                        h0: torch.Tensor | None, A: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None,
+                        scale: float, chunk_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor]:
+    dr, dk, dv, dw, du, dh0 = _backward(r, k, v, w, u, h0, A, scale, None, chunk_size, do, dht)
+    return dr, dk, dv, dw, du.to(u.dtype), dh0 if dh0 is not None else r.new_empty(_EMPTY, dtype=torch.float32)
+
+
+@_chunk_rwkv6_bwd_op.register_fake
+def _(r, k, v, w, u, h0, A, do, dht, scale, chunk_size):
+    grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (r, k, v, w, u))
+    return (*grads, torch.empty_like(h0, dtype=torch.float32) if h0 is not None
+            else r.new_empty(_EMPTY, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    r, k, v, w, u, h0, scale, output_final_state, chunk_size = inputs
+    ctx.save_for_backward(r, k, v, w, u, h0, output[2])
+    ctx.scale, ctx.chunk_size, ctx.output_final_state = scale, chunk_size, output_final_state
+
+
+def _backward_op(ctx, do, dht, dA):
+    r, k, v, w, u, h0, A = ctx.saved_tensors
+    dr, dk, dv, dw, du, dh0 = torch.ops.flame.chunk_rwkv6_bwd(
+        r, k, v, w, u, h0, A, do, dht if ctx.output_final_state else None, ctx.scale, ctx.chunk_size)
+    return dr, dk, dv, dw, du, (dh0 if h0 is not None else None), None, None, None
+
+
+_chunk_rwkv6_fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
 
 
 def chunk_rwkv6_triton(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state=False,
@@ -67,5 +140,10 @@ def chunk_rwkv6_triton(r, k, v, w, u, scale=1.0, initial_state=None, output_fina
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_rwkv6_triton: chunk_size must be a power of two >= 16, got {chunk_size}")
     r, k, v, w, u = (x.contiguous() for x in (r, k, v, w, u))
-    return ChunkRWKV6Function.apply(r, k, v, w, u, float(scale), initial_state, bool(output_final_state),
-                                    cu_seqlens, chunk_size)
+    if cu_seqlens is None:
+        h0 = initial_state.float().contiguous() if initial_state is not None else None
+        o, ht, _ = torch.ops.flame.chunk_rwkv6_fwd(r, k, v, w, u, h0, float(scale), bool(output_final_state),
+                                                   chunk_size)
+        return o, (ht if output_final_state else None)
+    return run_eager(ChunkRWKV6Function.apply, r, k, v, w, u, float(scale), initial_state,
+                     bool(output_final_state), cu_seqlens, chunk_size)

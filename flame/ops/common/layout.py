@@ -24,18 +24,38 @@ class ChunkLayout:
     chunk_size: int
 
 
+_FIXED_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_FIXED_TABLES_MAX = 64  # distinct (B, T, chunk size, device) keys kept; a training run uses a handful
+
+
+def fixed_length_tables(B: int, T: int, chunk_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens int64 [B+1], chunk_indices int32 [B*NT, 2], chunk_offsets int64 [B+1]) of a fixed-length
+    [B, T] batch, memoized per (B, T, chunk_size, device): every chunk op of every layer reads the same
+    few-KB tables, which the kernels only read, instead of building six tiny tensors on the device per call."""
+    device = torch.device(device)
+    key = (B, T, chunk_size, device)
+    tables = _FIXED_TABLES.get(key)
+    if tables is None:
+        nt = triton.cdiv(T, chunk_size)
+        cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
+        ids = torch.arange(B * nt, device=device, dtype=torch.int32)
+        chunk_indices = torch.stack([ids // nt, ids % nt], dim=1).contiguous()
+        offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * nt
+        tables = (cu, chunk_indices, offsets)
+        if len(_FIXED_TABLES) >= _FIXED_TABLES_MAX:
+            _FIXED_TABLES.clear()
+        _FIXED_TABLES[key] = tables
+    return tables
+
+
 def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device) -> ChunkLayout:
     """The chunk tables of a [B, T] batch, or of the packed sequences of `cu_seqlens` (B == 1).
 
     Fixed length needs no host sync; varlen reads the offsets once on the host.
     """
     if cu_seqlens is None:
-        nt = triton.cdiv(T, chunk_size)
-        cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
-        ids = torch.arange(B * nt, device=device, dtype=torch.int32)
-        chunk_indices = torch.stack([ids // nt, ids % nt], dim=1).contiguous()
-        offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * nt
-        return ChunkLayout(cu, chunk_indices, offsets, B, B * nt, chunk_size)
+        cu, chunk_indices, offsets = fixed_length_tables(B, T, chunk_size, device)
+        return ChunkLayout(cu, chunk_indices, offsets, B, chunk_indices.shape[0], chunk_size)
     bounds = cu_seqlens.tolist()
     lengths = [e - b for b, e in zip(bounds[:-1], bounds[1:])]
     counts = [triton.cdiv(n, chunk_size) for n in lengths]

@@ -80,6 +80,7 @@ import triton.language as tl
 
 from ..backend import run_eager
 from ..common.intra import mm_prec, mm_tf32_if, round_to_bf16
+from ..common.layout import fixed_length_tables
 from .wy_inverse_triton import unit_lower_inverse
 
 LOG2E = 1.4426950408889634
@@ -766,12 +767,7 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
 def _chunk_layout(B, T, BT, cu_seqlens, device):
     """cu_seqlens (int64), chunk_info [NT, 2] = (sequence, chunk-in-sequence), chunk_offsets [N+1]."""
     if cu_seqlens is None:
-        nt = triton.cdiv(T, BT)
-        cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
-        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(nt)
-        idx = torch.arange(nt, device=device, dtype=torch.int32).repeat(B)
-        offsets = torch.arange(0, B + 1, device=device, dtype=torch.int64) * nt
-        return cu, torch.stack([seq, idx], 1).contiguous(), offsets, B
+        return (*fixed_length_tables(B, T, BT, device), B)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     counts = [triton.cdiv(int(n), BT) for n in (cu[1:] - cu[:-1]).tolist()]
     info = [(n, i) for n, c in enumerate(counts) for i in range(c)]

@@ -16,7 +16,7 @@ def triton_interpreter_enabled() -> bool:
 
 @torch.compiler.disable
 def run_eager(kernel_fn, *args):
-    """Call a Triton-backed op outside torch.compile's tracing.
+    """Run a Triton-backed op outside torch.compile's tracing.
 
     Per-block torch.compile would otherwise trace into the op's autograd Function and hand the
     Triton kernels to Inductor, which retypes Python float arguments as fp64 (failed to compile on

@@ -1,7 +1,7 @@
 """Compile the Triton kernels that a host function launches, for an H100 (sm_90), on a machine without GPU.
 
 The interpreter runs kernels as Python, so code that the GPU compiler rejects can pass every CPU test
-(session 6: a load from a pointer that is None in the exact regime failed to compile on the H100 only).
+(a load from a pointer that is None in the exact regime failed to compile on the H100 only).
 This runs a host function on CPU tensors with every @triton.jit kernel of the given modules replaced
 by a recorder (no launch; the outputs are uninitialized), then compiles each distinct recorded
 specialization to a cubin with Triton's own compiler and ptxas for sm_90.

@@ -1,7 +1,7 @@
 """The Triton kernels of every op compile for an H100 (sm_90) in the regimes the host code launches.
 
 CPU tests run kernels under the interpreter, which executes them as Python: code that the GPU
-compiler rejects passes there (session 6: a load from the exact regime's None pointer failed on the
+compiler rejects passes there (a load from the exact regime's None pointer failed on the
 H100 only). Each case runs in a subprocess without TRITON_INTERPRET (tests/ops/sm90_compile.py).
 On a CUDA machine the other tests compile the kernels for real, so this is skipped there.
 """

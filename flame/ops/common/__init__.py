@@ -55,14 +55,14 @@ columns of S is a gate on the rows of S^T (pass the roles swapped).
 Not covered here: the intra-chunk read of a gate on the value side (A = q k^T followed by a
 per-column decayed A v, GSA pass 1); flame.ops.gsa.chunk_triton builds it from these blocks.
 
-Structure, for speed (session 2): the state passes are split into a parallel per-chunk local term
+Structure, for speed: the state passes are split into a parallel per-chunk local term
 and an elementwise scan over chunks (state.py), so a long sequence with few heads no longer runs a
 few hundred programs through a chain of tensor-core steps; A is computed once in the forward and
 saved (output.py); dv writes dA, which the dq/dk/dg kernel reads whole for the off-diagonal
 sub-block products and gathers entry by entry for the exact diagonal sub-blocks, computed in an
 [NB, BC, BK] view (a 16-row sub-chunk per leading index) instead of [64, 64] select-reductions.
 Launch widths: module constants (INTRA_WARPS, DQKG_WARPS, ...; 4 warps each, the fastest for
-RWKV6's K = V = 64 on the H100, session 3), and a family with wider tiles passes its own to the
+RWKV6's K = V = 64 on the H100), and a family with wider tiles passes its own to the
 intra and dq/dk/dg kernels (GSA: 8). bench/ops.py --profile gives the per-kernel split. (16 and 8
 warps were slower for RWKV6 on the H100 with triton 3.6.)
 """

@@ -222,7 +222,7 @@ _VALUE_BLOCK = 128
 # __shared__ reads of 1024 bytes inside their tl.dot (intra.mm) at num_stages 3, none at 1 (where the
 # plain run still crashed); an op-level run with the model's shapes and random inputs never crashed,
 # and the interpreter's bounds checker sees nothing, so the root cause is not known. With fp32
-# operands the model test passes (H100, session 3). fp32 is not used for every M: at K = 256, M = 64
+# operands the model test passes (H100). fp32 is not used for every M: at K = 256, M = 64
 # (gsa_340M) the fp32 kernels take minutes to compile and spill ~16 KB per thread (ptxas sm_90),
 # and bf16 has passed every op test and benchmark at that shape.
 _SLOT_FP32_MAX_M = 32
@@ -230,7 +230,7 @@ _SLOT_WARPS = 4
 _SLOT_STAGES = 1
 # the common core's intra (A) and dq/dk/dg kernels run wider for GSA's value pass (slots -> values,
 # V = 256 at 340M): fwd+bwd 2.25 ms against 2.95 ms at the core's default 4 warps (H100, B8 T2048 H4
-# K=V=256 M64 bf16, session 3); the core's other kernels keep their defaults.
+# K=V=256 M64 bf16); the core's other kernels keep their defaults.
 _CORE_WARPS = 8
 
 

@@ -11,8 +11,8 @@ every factor is an exp2 of a non-positive number) and Γ̄ the exclusive one:
 A chunk is therefore one linear map of (S^in, V) with four per-chunk matrices that do not depend on
 the state, which `_prepare` computes in parallel over all chunks, in one kernel (`_prepare_kernel`:
 M^ak, M^ab, M^qk, M^qb, Tm, W, G, then the four maps; W and G stay in registers unless the backward
-needs them, which made the forward 9% faster than two kernels passing them through global memory,
-session 6; launched once per intra regime, see below):
+needs them, which makes the forward 9% faster than two kernels passing them through global memory;
+launched once per intra regime, see below):
 
     O     = Q' S^in + E V          Q' = Q̂ + M^qb W            [BT, K]
     S^out = A S^in + C^T V         E  = M^qk + M^qb G          [BT, BT]
@@ -29,9 +29,9 @@ the chunk's S^in, dS^out, dO and V, forms dQ' = dO S^T, dE = dO V^T, dA = dS S^T
 da and through the intra products to dk, db and dw by the reverse cumsum of identity I2
 (`_bwd_intra`). The two pass fp32 [BT, K] / [BT, BT] tiles through global memory, so that neither
 holds the whole chain: with 3xTF32 products at 4 warps, a program that held it spilled 6-14 KB of
-registers per thread (session 1). Four kernels (output side, state side, WY, column side), as in
+registers per thread. Four kernels (output side, state side, WY, column side), as in
 sessions 1-7, moved more tiles through memory: the two are 0.16 ms faster per fwd+bwd at B8 T2048
-H16 K64 bf16 on the H100 (session 8). No atomics anywhere: the backward is deterministic. By
+H16 K64 bf16 on the H100. No atomics anywhere: the backward is deterministic. By
 default the backward runs `_prepare` again, from the WY inverse Tm that the forward keeps; with
 cache_intermediates the forward keeps all its intermediates instead (faster, more memory). Head dims
 K > 128 do not fit one program's tiles and run on the fused recurrent kernels instead.
@@ -48,7 +48,7 @@ Intra regimes (kernels.md 2.3):
   same chunk size. Every per-chunk kernel that depends on the regime launches twice, once per regime,
   each launch skipping the chunks of the other (`_regime_selected`: one byte per program, where reading
   the chunk's gates cost ~35 us per launch): a program holding both paths spills more (the backward's
-  output-side and WY kernels of session 6 ran 15-50% slower that way on an H100). `_prepare`'s first
+  output-side and WY kernels ran 15-50% slower that way on an H100). `_prepare`'s first
   launch decides and records the regime. The scans do not depend on the regime.
 
 Precision: fp32 decay cumsums, states, state gradients and intermediates everywhere. Products with
@@ -87,8 +87,8 @@ LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
 MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
 # warps per program: 4 everywhere. The per-chunk kernels compiled for 8 warps with 3xTF32 products
-# gave wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64; session 1 and
-# this session's first GPU run alike), although 8 warps would halve their registers per thread.
+# gave wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64), although 8
+# warps would halve their registers per thread.
 WARPS_CHUNK = 4
 WARPS_SCAN = 4
 
@@ -317,7 +317,7 @@ def _gates_keep_bound(b_w, m_rk, lower_bound):
 @triton.jit
 def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
     """For the kernels launched once per regime (holding both paths in one program made the backward's
-    output-side and WY kernels 15-50% slower on an H100, session 6, from register spills), whether this
+    output-side and WY kernels 15-50% slower on an H100, from register spills), whether this
     launch takes chunk i_c of head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk
     (exact regime); 1: the centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at
     the centred chunk size)."""
@@ -337,7 +337,7 @@ def _fallback_heads(regime, i_c, H, HP: tl.constexpr):
     chunk's regime row (H bytes, one vector load) has an exact head, else 0. Those launches run one
     program per chunk that visits its heads itself: a (chunks, heads) grid of programs that mostly
     return at once cost ~11 us per launch, 0.054 ms per fwd+bwd over the five such launches (H100, B8
-    T2048 H16; session 7, call G). The visiting program serializes the exact chunks of up to H heads,
+    T2048 H16). The visiting program serializes the exact chunks of up to H heads,
     which costs little where the grid has a few waves of chunks already. The centred launches keep one
     program per chunk and head, without a loop (a loop around their body made ptxas spill more)."""
     o_h = tl.arange(0, HP)
@@ -420,9 +420,9 @@ def _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As,
         b_Mak, b_Mab = _pairwise_a_side(b_a, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi, Ge,
                                         BT, PREC)
     # the q side before the inverse, which it does not depend on: its products then fill the latency of
-    # the inverse's serial chain (forward 0.695 -> 0.647 ms at B8 T2048 H16 K64 bf16, H100, session 7).
+    # the inverse's serial chain (forward 0.695 -> 0.647 ms at B8 T2048 H16 K64 bf16, H100).
     # The centred factors and the k, b tiles are formed again from the loads: one branch holding them
-    # for both sides spilled 88 B per thread instead of 24 (ptxas, sm_90, forward, session 7)
+    # for both sides spilled 88 B per thread instead of 24 (ptxas, sm_90, forward)
     b_q = _load_rows(q + bk, p_k, m_rk) * scale
     if CENTRED:
         e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
@@ -617,7 +617,7 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
     dM^qb) and its I2 term q dq. Stores dE, dM^qb and q dq (fp32) for `_bwd_intra`.
     One kernel for both sides keeps dW and dG out of global memory between them and reads the chunk's
     gates, keys, W and G once; the second pass over S^in and V mostly hits L2. It took 0.74-0.76 ms per
-    fwd+bwd where the two kernels of each side took 0.82 (H100, B8 T2048 H16 K64 bf16, session 8). One
+    fwd+bwd where the two kernels of each side took 0.82 (H100, B8 T2048 H16 K64 bf16). One
     pass accumulating all four reductions at once held more registers and was slower (0.80)."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
@@ -711,7 +711,7 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     γ = q dq + a da - k dk - b db.
     dM^ak, dM^ab and a da stay in registers between the two, and the gates, a, k and b are read by one
     program: 0.67 ms per fwd+bwd where the two kernels of each part took 0.75 (H100, B8 T2048 H16 K64
-    bf16, session 8), although ptxas spills 208 B per thread here (72 B in the WY kernel alone)."""
+    bf16), although ptxas spills 208 B per thread here (72 B in the WY kernel alone)."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -828,16 +828,16 @@ class _Plan:
         # (`mm_prec`: ~16 mantissa bits, 2^-16 per product, where one TF32 pass has 2^-11 and 3xTF32
         # 2^-21; half the tensor-core work of 3xTF32 and half its operand registers). H100, B8 T2048 H16
         # K64 bf16: fwd+bwd 4.45 -> 3.85 ms, with the trained head's errors against fp64 unchanged to
-        # two digits (o 2.64e-3, dw 2.97e-3 -> 2.89e-3; session 6, call 1)
+        # two digits (o 2.64e-3, dw 2.97e-3 -> 2.89e-3)
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
         # register cap (ptxas maxnreg) of `_prepare` at head dims <= 64, where it runs at 2 programs per SM
         # with 255 registers: 168 lets it run 3 per SM and spill a little, 0.85 -> 0.79 ms per fwd+bwd on the
-        # H100 (session 7; 255 in the forward's launches only: 0.04 ms slower, session 8). The backward's two
+        # H100 (255 in the forward's launches only: 0.04 ms slower). The backward's two
         # kernels run uncapped: `_bwd_maps` 0.76 -> 0.79 ms at 168 (ptxas: 232 B spilled instead of none),
-        # `_bwd_intra` already spills at 255 (session 8)
+        # `_bwd_intra` already spills at 255
         self.maxnreg = 168 if self.BK <= 64 else None
         # `_bwd_maps` loops over V blocks twice: pipeline stages (prefetch the next block's S, dS, dO, V) at
-        # head dims <= 64: 3 stages 0.744 ms per fwd+bwd, 2 0.760, 1 0.881 (H100, session 8); 1 stage at
+        # head dims <= 64: 3 stages 0.744 ms per fwd+bwd, 2 0.760, 1 0.881 (H100); 1 stage at
         # larger head dims, whose tiles already fill shared memory
         self.stages_maps = 3 if self.BK <= 64 else 1
         # bf16 operands (fp32 accumulation) for the products outside the state recurrence, the a-side
@@ -855,7 +855,7 @@ class _Plan:
         # unchanged. The same pass cost too much in the rest of the output side (dM^qb: dw 8.4e-3; dW, dG:
         # db 3.5e-3), in the WY backward (dw 5.5e-3 to 2.4e-2 by product), and in `_prepare`: in Q', E, C (o 5.4e-3), in
         # G, M^ak (o 1.1e-2) and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048). (Measured
-        # against 3xTF32 products, session 5; they are bf16x3 now, see prec.)
+        # against 3xTF32 products; they are bf16x3 now, see prec.)
         self.tf32 = self.lowp  # the same switch: bf16 inputs, 1 on a GPU, 2 emulated under the interpreter
 
     def grid(self, mode):
@@ -1085,7 +1085,7 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     which an 80 GB GPU does not have to spare. Off: the backward recomputes them (`_prepare_kernel` once
     more) from the WY inverse Tm alone, which the forward keeps (C fp32 per token and head: 128 bytes at
     C = 32; it saved 0.1 ms of recomputation): fwd+bwd 2.63-2.64 ms against 2.35-2.38 cached at B8
-    T2048 H16 K64 bf16 on the H100 (session 8).
+    T2048 H16 K64 bf16 on the H100.
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

@@ -1,10 +1,10 @@
-"""A compiled RWKV7 model trains like the eager one, with Inductor and its AOTAutograd cache on.
+"""Compiled blocks train like eager ones, each block one graph.
 
-The chunked RWKV7 op reaches torch.compile as the custom ops torch.ops.flame.chunk_rwkv7_fwd/_bwd, so
-each block is one graph. Before, the op was a graph break around an autograd.Function, and saving the
-compiled backward of the region beside it to the AOTAutograd cache crashed the process (SIGSEGV in the
-cache entry's pickling, on the first backward, on an H100). The run happens in a subprocess so that a
-crash fails this test instead of the test session.
+The chunked ops reach torch.compile as custom ops (torch.ops.flame.chunk_<family>_fwd/_bwd), so each
+block is one graph. With the op behind a graph break instead, saving the compiled backward of the region
+beside it to the AOTAutograd cache crashed the process (SIGSEGV in the cache entry's pickling, on the
+first backward, on an H100): the RWKV7 test runs Inductor with that cache on. The runs happen in
+subprocesses so that a crash fails a test instead of the test session.
 """
 
 import subprocess
@@ -39,5 +39,36 @@ SCRIPT = textwrap.dedent("""
 
 def test_compiled_rwkv7_model_with_autograd_cache_trains_like_eager():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+        f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def test_rwkv6_and_gsa_blocks_compile_into_one_graph_and_train_like_eager():
+    """fullgraph=True: no graph break anywhere in an RWKV6 or GSA block (their chunk ops are custom ops
+    too); aot_eager keeps it fast while still running the traced forward and backward graphs."""
+    script = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        from flame import ops
+        from tests.models.helpers import build_seeded, tiny_args
+        ops.set_value_checks(False)
+        for family in ("rwkv6", "gsa"):
+            args = tiny_args(family, hidden_size=32, num_layers=1, backend="triton")
+            ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(0))
+            grads = []
+            for compiled in (False, True):
+                model = build_seeded(args)
+                if compiled:
+                    for block in model.layers:
+                        block.compile(fullgraph=True, backend="aot_eager")
+                logits = model(ids[:, :-1])
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[0, 1:]).backward()
+                grads.append([p.grad for p in model.parameters()])
+            for eager, comp in zip(*grads):
+                torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-6)
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

@@ -1,9 +1,10 @@
 """Every public op with the Triton backend inside torch.compile: the trainer compiles each block.
 
-The ops run eagerly there (`flame.ops.backend.run_eager`, a graph break): without it Dynamo traced
-into the Triton kernels, and Inductor recompiled them with fp64 float arguments, which failed on
-the H100 ("Both operands must be same dtype. Got fp64 and fp32") and, under the interpreter, in
-fake-tensor tracing. Results must equal the eager call bitwise.
+Fixed-length chunk ops are custom op pairs (torch.ops.flame.chunk_<family>_fwd / _bwd), opaque to the
+compiler; the other calls (fused recurrent, varlen) run eagerly behind a graph break
+(`flame.ops.backend.run_eager`), since Dynamo tracing into the Triton kernels lets Inductor recompile
+them with fp64 float arguments ("Both operands must be same dtype. Got fp64 and fp32" on an H100).
+Results must equal the eager call bitwise.
 """
 
 import importlib
@@ -46,7 +47,7 @@ def test_triton_op_inside_torch_compile_equals_eager(family, op):
 
 
 FULLGRAPH_CASES = [("rwkv7", ops.chunk_rwkv7, dict(gate_lower_bound=-0.6065306597126334)),
-                   ("rwkv6", ops.chunk_rwkv6, {})]
+                   ("rwkv6", ops.chunk_rwkv6, {}), ("gsa", ops.chunk_gsa, {})]
 
 
 @pytest.mark.parametrize("family, op, extra", FULLGRAPH_CASES, ids=[c[0] for c in FULLGRAPH_CASES])
@@ -77,7 +78,7 @@ def test_fixed_length_chunk_op_traces_into_one_graph(family, op, extra):
             torch.testing.assert_close(compiled[2][name], grad, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
 
 
-@pytest.mark.parametrize("family", ["rwkv7", "rwkv6"])
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv6", "gsa"])
 def test_chunk_custom_ops_pass_opcheck(family):
     importlib.import_module(f"flame.ops.{family}.chunk_triton")  # registers the ops
     inputs = make_inputs(family, B=1, T=20, H=1, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
@@ -85,7 +86,12 @@ def test_chunk_custom_ops_pass_opcheck(family):
     if family == "rwkv7":
         op = torch.ops.flame.chunk_rwkv7_fwd.default
         args = tuple(inputs[n] for n in ("r", "w", "k", "v", "a", "b")) + (None, 1.0, None, True, True)
-    else:
+    elif family == "rwkv6":
         op = torch.ops.flame.chunk_rwkv6_fwd.default
         args = tuple(inputs[n] for n in ("r", "k", "v", "w", "u")) + (None, 1.0, True, 64)
+    else:  # with initial states and two query heads per key head: every gradient path of the pair
+        inputs = make_inputs(family, B=1, T=20, H=1, HQ=2, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
+                             requires_grad=True, seed=6)
+        op = torch.ops.flame.chunk_gsa_fwd.default
+        args = tuple(inputs[n] for n in ("q", "k", "v", "s", "g")) + (*inputs["initial_state"], 1.0, True, 16)
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend, run_eager
+from ..backend import resolve_backend
 from ..dtypes import autocast_off, to_compute_dtype
 from ..checks import check_gsa_inputs
 from .chunk_torch import chunk_gsa_torch
@@ -35,5 +35,5 @@ def chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=F
     with autocast_off(q.device):
         if resolve_backend(backend, q.device, "chunk_gsa") == "triton":
             from .chunk_triton import chunk_gsa_triton
-            return run_eager(chunk_gsa_triton, q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
+            return chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
         return chunk_gsa_torch(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)

@@ -159,7 +159,7 @@ class RWKV6Block(RWKVBlock):
         super().__init__(args, layer_id, RWKV6Attention(args, layer_id), RWKV6FeedForward(args, layer_id))
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        if self.layer_id == 0:
+        if self.is_first:
             x = self.pre_norm(x)
         x = x + self.attn(self.attn_norm(x), cu_seqlens)
         return x + self.ffn(self.ffn_norm(x), cu_seqlens)

@@ -39,6 +39,7 @@ class RWKV7Attention(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
         self.layer_id, self.num_layers = layer_id, args.num_layers
+        self.defines_v_first = layer_id == 0  # a bool, not the int, in forward: see RWKVBlock
         self.num_heads, self.head_dim = rwkv_heads(args)
         self.backend = args.backend
         self.cache_intermediates = args.cache_intermediates
@@ -109,7 +110,7 @@ class RWKV7Attention(nn.Module):
         w = -DECAY_BOUND * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)
         k = self.key(xk)
         v = self.value(xv)
-        if self.layer_id == 0:
+        if self.defines_v_first:
             v_first = v
         else:
             if v_first is None:
@@ -167,7 +168,7 @@ class RWKV7Block(RWKVBlock):
         super().__init__(args, layer_id, RWKV7Attention(args, layer_id), RWKV7FeedForward(args, layer_id))
 
     def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None):
-        if self.layer_id == 0:
+        if self.is_first:
             x = self.pre_norm(x)
         attn_out, v_first = self.attn(self.attn_norm(x), v_first, cu_seqlens)
         x = x + attn_out

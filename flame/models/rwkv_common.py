@@ -33,11 +33,16 @@ def matrix_param(rows: int, cols: int) -> nn.Parameter:
 class RWKVBlock(nn.Module):
     """Pre-LN block: x += attn(attn_norm x); x += ffn(ffn_norm x); layer 0 first applies
     `pre_norm` (the official ln0). The family passes its time mix `attn` and channel mix `ffn`
-    and writes `forward` (RWKV7 threads v_first through its blocks)."""
+    and writes `forward` (RWKV7 threads v_first through its blocks).
+
+    `forward` branches on the bool `is_first`, never on `layer_id`: torch.compile treats an int
+    attribute of a module as a constant, so a branch on it compiles a graph per layer and, past
+    Dynamo's recompile limit (8), leaves the remaining layers eager; a bool gives two graphs."""
 
     def __init__(self, args, layer_id: int, attn: nn.Module, ffn: nn.Module):
         super().__init__()
         self.layer_id = layer_id
+        self.is_first = layer_id == 0
         C, eps = args.hidden_size, args.norm_eps
         if layer_id == 0:
             self.pre_norm = nn.LayerNorm(C, eps=eps)

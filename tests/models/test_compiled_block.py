@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
@@ -32,7 +34,7 @@ SCRIPT = textwrap.dedent("""
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[0, 1:]).backward()
         grads.append([p.grad for p in model.parameters()])
     for eager, comp in zip(*grads):
-        torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(comp, eager, rtol=1e-3, atol=1e-5)  # Inductor fp32 reassociation
     print("ok")
 """)
 
@@ -72,3 +74,30 @@ def test_rwkv6_and_gsa_blocks_compile_into_one_graph_and_train_like_eager():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv6", "gsa"])
+def test_deep_model_compiles_each_block_kind_once(family):
+    """Every block of a 10-layer model runs compiled: the blocks share at most two graphs (layer 0's and
+    the rest's). A branch on an int module attribute such as layer_id would compile one graph per
+    layer, and past Dynamo's recompile limit (8) the deeper layers would silently run eager."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from flame import ops
+    from tests.models.helpers import build_seeded, tiny_args
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_seeded(tiny_args(family, hidden_size=32, num_layers=10, backend="triton"))
+    for block in model.layers:
+        block.compile(backend="eager", fullgraph=True)
+    previous = ops.checks.value_checks_enabled()
+    ops.set_value_checks(False)
+    try:
+        model(torch.randint(0, 97, (1, 17), generator=torch.Generator().manual_seed(0))).sum().backward()
+    finally:
+        ops.set_value_checks(previous)
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert not any("recompile_limit" in key for key in counters["stats"]), dict(counters["stats"])

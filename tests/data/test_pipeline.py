@@ -262,12 +262,25 @@ def test_prepare_refuses_model_vocab_mismatch(tmp_path, capsys):
 
 # --- sources ----------------------------------------------------------------------------------
 
-def test_hub_dataset_offline_is_a_clear_error(tokenizer, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(DataError, match="not in the local cache and there is no network; download it first"):
-        build_dataloader(dataset="flame-test/does-not-exist-anywhere", tokenizer=tokenizer,
-                         batch_size=1, seq_len=8)
+def test_hub_dataset_offline_is_a_clear_error():
+    """In a fresh process: huggingface_hub and datasets read HF_HUB_OFFLINE once, at import, as a
+    user's run does; in a process that imported them earlier they would retry the network first."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from flame.data import DataError, build_dataloader, load_tokenizer\n"
+        "try:\n"
+        "    build_dataloader(dataset='flame-test/does-not-exist-anywhere', tokenizer=load_tokenizer(),\n"
+        "                     batch_size=1, seq_len=8)\n"
+        "except DataError as err:\n"
+        "    print(err)\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert "not in the local cache and there is no network; download it first" in proc.stdout, (
+        proc.stdout + proc.stderr[-2000:])
 
 
 def test_text_and_parquet_files(tmp_path, tokenizer):

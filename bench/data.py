@@ -14,6 +14,7 @@ on 2 cores.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import tempfile
@@ -49,7 +50,8 @@ def main() -> None:
 
     datasets.disable_progress_bars()
     tokenizer = load_tokenizer()
-    texts = [json.loads(line)["text"] for line in EMBEDDED_CORPUS.read_text().splitlines()]
+    with gzip.open(EMBEDDED_CORPUS, "rt", encoding="utf-8") as corpus:
+        texts = [json.loads(line)["text"] for line in corpus]
     results = {}
 
     start, cpu_start = time.perf_counter(), time.process_time()

@@ -82,7 +82,7 @@ def test_every_run_on_two_cpu_processes(tmp_path):
     assert rows[("tiny", "resume after SIGKILL at world 2")][8].startswith("PASS")
     assert rows[("tiny", "model-only load 2 -> 1")][8].startswith("PASS")
     # the GPU rows already in the file are kept as they were
-    assert rows[("rwkv7_1B", "FSDP 8")] == table(original)[("rwkv7_1B", "FSDP 8")]
+    assert rows[("rwkv7_1B", "FSDP 2")] == table(original)[("rwkv7_1B", "FSDP 2")]
     assert "- **tiny · FSDP 2**: `python bench/scale.py --config" in results.read_text()
 
 

@@ -1,8 +1,8 @@
 """A compiled RWKV7 model trains like the eager one, with Inductor and its AOTAutograd cache on.
 
 The chunked RWKV7 op reaches torch.compile as the custom ops torch.ops.flame.chunk_rwkv7_fwd/_bwd, so
-each block is one graph. Before, the op was a graph break around an autograd.Function, and saving the
-compiled backward of the region beside it to the AOTAutograd cache crashed the process (SIGSEGV in the
+each block is one graph. With the op as a graph break around an autograd.Function instead, saving the
+compiled backward of the region beside it to the AOTAutograd cache crashes the process (SIGSEGV in the
 cache entry's pickling, on the first backward, on an H100). The run happens in a subprocess so that a
 crash fails this test instead of the test session.
 """

@@ -285,8 +285,12 @@ def override_launches(specs: list[str], package: str = "flame.ops") -> list[str]
                  and hasattr(getattr(module, name, None), "run")]
         if not found:
             raise SystemExit(f"--launch: no Triton kernel {name!r} in {package}")
+        patched = set()
         for mod_name, module in found:
             kernel = getattr(module, name)
+            if id(kernel) in patched:  # the same kernel imported into another module
+                continue
+            patched.add(id(kernel))
             run = kernel.run
 
             def patched_run(*args, _run=run, _overrides=overrides, **kwargs):

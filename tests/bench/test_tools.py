@@ -44,6 +44,9 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch):
     module.__path__ = []
     module._fake_kernel = Kernel()
     monkeypatch.setitem(sys.modules, "flame.ops._bench_fake", module)
+    alias = types.ModuleType("flame.ops._bench_fake.user")  # a module that imports the kernel by name
+    alias._fake_kernel = module._fake_kernel
+    monkeypatch.setitem(sys.modules, "flame.ops._bench_fake.user", alias)
     applied = ops.override_launches(["_fake_kernel:num_warps=8,maxnreg=None,modes=(1, 2)"],
                                     package="flame.ops._bench_fake")
     assert applied == ["flame.ops._bench_fake._fake_kernel: {'num_warps': 8, 'maxnreg': None, 'modes': (1, 2)}"]

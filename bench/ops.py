@@ -1,4 +1,5 @@
-"""Speed of flame's linear-attention kernels, and of fla's at the same shapes when fla is importable.
+"""Speed of flame's linear-attention kernels on one CUDA GPU, against fla's at the same shapes when
+fla is installed: the forward, and forward + backward, of each registered op.
 
     python bench/ops.py                        # every registered op at its shapes
     python bench/ops.py --ops chunk_rwkv6      # a subset
@@ -6,6 +7,8 @@
     python bench/ops.py --value-checks         # with flame's input value checks (a host sync per call)
     python bench/ops.py --ops chunk_gsa --warm-only   # compile (and autotune) only, no timing
     python bench/ops.py --ops chunk_gsa --shape 2 --libs fla   # one shape, one library
+    python bench/ops.py --ops chunk_rwkv7 --libs flame --profile \
+        --launch "_bwd_maps_kernel:num_warps=8,maxnreg=None"  # a launch-option variant of a kernel
 
 Triton compiles (and fla autotunes) on first use, one CPU core per process; fla's cold autotune takes
 minutes. `--warm-only` runs each op's forward+backward once per shape and library and prints nothing
@@ -15,6 +18,12 @@ and a timing run after them starts warm. Do not time while other processes use t
 Times are medians of `triton.testing.do_bench` (ms): the forward, and forward + backward (the
 backward of <o, do> with a fixed random do). `ratio` is flame / fla (< 1: flame is faster).
 
+`--launch KERNEL:KEY=VALUE,...` (repeatable) overrides launch keywords (num_warps, num_stages,
+maxnreg, or a kernel's constexpr block sizes) of any of flame's Triton kernels in flame/ops, by the
+kernel's name, for this process: the way to time a launch variant of any family's kernels against
+the default in two runs. Values are Python literals; a kernel under `triton.autotune` takes no
+override of what its configs set.
+
 Each op is one `BenchOp` in REGISTRY: a name, its shapes, an input builder and the flame and fla
 callables (fla's is None where fla has no counterpart, or returns None when fla is not installed).
 A family adds its entry with `register(BenchOp(...))` below the existing ones.
@@ -23,6 +32,10 @@ A family adds its entry with `register(BenchOp(...))` below the existing ones.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
+import pkgutil
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +44,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from bench.timing import (FLA_MISSING, fla_available, fla_function, forward_and_backward_ms,  # noqa: E402
+                          profile_forward_backward, require_cuda, warm_forward_backward)
 
 
 @dataclass(frozen=True)
@@ -48,15 +64,6 @@ REGISTRY: dict[str, BenchOp] = {}
 
 def register(op: BenchOp) -> None:
     REGISTRY[op.name] = op
-
-
-def _fla(module: str, name: str):
-    """fla's function `name` from `module`, or None when fla is not installed."""
-    try:
-        mod = __import__(module, fromlist=[name])
-    except ImportError:
-        return None
-    return getattr(mod, name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -81,7 +88,7 @@ def _flame_chunk_rwkv6(x):
 
 
 def _fla_chunk_rwkv6():
-    fn = _fla("fla.ops.rwkv6", "chunk_rwkv6")
+    fn = fla_function("fla.ops.rwkv6", "chunk_rwkv6")
     return None if fn is None else (lambda x: fn(x["r"], x["k"], x["v"], x["w"], x["u"], scale=1.0)[0])
 
 
@@ -127,7 +134,7 @@ def _flame_chunk_rwkv7(x):
 
 
 def _fla_chunk_rwkv7():
-    fn = _fla("fla.ops.rwkv7", "chunk_rwkv7")
+    fn = fla_function("fla.ops.rwkv7", "chunk_rwkv7")
     return None if fn is None else (
         lambda x: fn(*_rwkv7_args(x), scale=1.0, lower_bound=RWKV7_LOG_DECAY_BOUND)[0])
 
@@ -144,7 +151,7 @@ def _flame_chunk_rwkv7_exact(x):
 
 
 def _fla_chunk_rwkv7_exact():
-    fn = _fla("fla.ops.rwkv7", "chunk_rwkv7")
+    fn = fla_function("fla.ops.rwkv7", "chunk_rwkv7")
     return None if fn is None else (lambda x: fn(*_rwkv7_args(x), scale=1.0)[0])
 
 
@@ -212,7 +219,7 @@ def _flame_chunk_gsa(x):
 
 
 def _fla_chunk_gsa():
-    fn = _fla("fla.ops.gsa", "chunk_gsa")
+    fn = fla_function("fla.ops.gsa", "chunk_gsa")
     return None if fn is None else (lambda x: fn(*_gsa_args(x), scale=1.0)[0])
 
 
@@ -222,11 +229,11 @@ def _flame_fused_recurrent_gsa(x):
 
 
 def _fla_fused_recurrent_gsa():
-    fn = _fla("fla.ops.gsa", "fused_recurrent_gsa")
+    fn = fla_function("fla.ops.gsa", "fused_recurrent_gsa")
     return None if fn is None else (lambda x: fn(*_gsa_args(x), scale=1.0)[0])
 
 
-register(BenchOp(  # the issue's reference shapes (fla 0.6.0 on H100: 0.62 / 2.77 ms and 0.74 / 3.30 ms), and
+register(BenchOp(  # 4 heads of dim 256 with 64 slots (the GSA-340M layer shape), and
     # 32 slots of head dim 64, where the slot kernels multiply in fp32 (flame/ops/gsa/chunk_triton.py)
     name="chunk_gsa",
     shapes=(dict(B=8, T=2048, H=4, K=256, V=256, M=64), dict(B=2, T=8192, H=4, K=256, V=256, M=64),
@@ -245,42 +252,59 @@ register(BenchOp(
 
 
 # ------------------------------------------------------------------------------------------------
+# launch-option variants
 
-def _time(fn: Callable[[dict], torch.Tensor], inputs: dict) -> tuple[float, float]:
-    from triton.testing import do_bench
+def parse_launch(spec: str) -> tuple[str, dict]:
+    """("KERNEL", {key: value}) from "KERNEL:KEY=VALUE,..."; values are Python literals."""
+    kernel, sep, pairs = spec.partition(":")
+    items = [item for item in re.split(r",(?=\s*\w+=)", pairs) if item.strip()]  # "(1, 2)" stays whole
+    if not kernel or not sep or not items or any("=" not in item for item in items):
+        raise SystemExit(f"--launch {spec!r}: expected KERNEL:KEY=VALUE[,KEY=VALUE...]")
 
-    leaves = [x for x in inputs.values() if isinstance(x, torch.Tensor) and x.requires_grad]
-    with torch.no_grad():
-        do = torch.randn_like(fn(inputs))
-
-    def fwd():
-        with torch.no_grad():
-            fn(inputs)
-
-    def fwd_bwd():
-        torch.autograd.backward(fn(inputs), do)
-
-    return do_bench(fwd), do_bench(fwd_bwd, grad_to_none=leaves)
+    def literal(text: str):
+        try:
+            return ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            return text.strip()
+    return kernel, {key.strip(): literal(value) for key, value in (item.split("=", 1) for item in items)}
 
 
-def _profiled(fn: Callable[[dict], torch.Tensor], inputs: dict, n: int = 5):
-    """The CUDA profile of n forward+backward passes of fn (after 3 warm-up passes)."""
-    from torch.profiler import ProfilerActivity, profile
+def override_launches(specs: list[str], package: str = "flame.ops") -> list[str]:
+    """Make every launch of each named Triton kernel in `package` use the given keywords (for this
+    process). Returns "module.kernel: overrides" lines; exits naming a kernel that is not found."""
+    if not specs:
+        return []
+    root = importlib.import_module(package)
+    for info in pkgutil.walk_packages(root.__path__, package + "."):
+        importlib.import_module(info.name)
+    applied = []
+    for spec in specs:
+        name, overrides = parse_launch(spec)
+        found = [(mod_name, module) for mod_name, module in list(sys.modules.items())
+                 if (mod_name == package or mod_name.startswith(package + ".")) and module is not None
+                 and hasattr(getattr(module, name, None), "run")]
+        if not found:
+            raise SystemExit(f"--launch: no Triton kernel {name!r} in {package}")
+        patched = set()
+        for mod_name, module in found:
+            kernel = getattr(module, name)
+            if id(kernel) in patched:  # the same kernel imported into another module
+                continue
+            patched.add(id(kernel))
+            run = kernel.run
 
-    with torch.no_grad():
-        do = torch.randn_like(fn(inputs))
-    for _ in range(3):
-        torch.autograd.backward(fn(inputs), do)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            torch.autograd.backward(fn(inputs), do)
-        torch.cuda.synchronize()
-    return prof
+            def patched_run(*args, _run=run, _overrides=overrides, **kwargs):
+                kwargs.update(_overrides)
+                return _run(*args, **kwargs)
+            kernel.run = patched_run
+            applied.append(f"{mod_name}.{name}: {overrides}")
+    return applied
 
+
+# ------------------------------------------------------------------------------------------------
 
 def _profile(fn: Callable[[dict], torch.Tensor], inputs: dict, title: str) -> None:
-    prof = _profiled(fn, inputs, 5)
+    prof = profile_forward_backward(fn, inputs, 5)
     print(f"\nprofile of 5 x forward+backward: {title}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
@@ -308,9 +332,10 @@ def main(argv=None) -> None:
     parser.add_argument("--libs", default="flame,fla", help="flame,fla (default), flame or fla")
     parser.add_argument("--value-checks", action="store_true",
                         help="keep flame's input value checks on (one host sync per call; fla has none)")
+    parser.add_argument("--launch", action="append", default=[], metavar="KERNEL:KEY=VALUE,...",
+                        help="override launch keywords of one of flame's Triton kernels (repeatable)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/ops.py needs a CUDA GPU")
+    require_cuda("bench/ops.py")
     dtype = getattr(torch, args.dtype)
     names = [n for n in args.ops.split(",") if n]
     unknown = [n for n in names if n not in REGISTRY]
@@ -319,6 +344,11 @@ def main(argv=None) -> None:
     libs = {lib for lib in args.libs.split(",") if lib}
     if not libs or not libs <= {"flame", "fla"}:
         raise SystemExit(f"--libs takes flame, fla or both, not {args.libs!r}")
+
+    if "fla" in libs and not fla_available():
+        print(FLA_MISSING)
+    for line in override_launches(args.launch):
+        print(f"launch override: {line}")
 
     from flame.ops.checks import set_value_checks
     set_value_checks(args.value_checks)
@@ -341,12 +371,10 @@ def main(argv=None) -> None:
                 fns = [(lib, fn) for lib, fn in (("flame", flame_fn), ("fla", fla_fn)) if fn is not None]
                 if args.warm_only:
                     for _, fn in fns:
-                        out = fn(inputs)
-                        torch.autograd.backward(out, torch.ones_like(out))
-                    torch.cuda.synchronize()
+                        warm_forward_backward(fn, inputs)
                     print(f"{name:<24}{label:<28}warm", flush=True)
                 else:
-                    print(f"{name:<24}{label:<28}{_row({lib: _time(fn, inputs) for lib, fn in fns})}", flush=True)
+                    print(f"{name:<24}{label:<28}{_row({lib: forward_and_backward_ms(fn, inputs) for lib, fn in fns})}", flush=True)
                     if args.profile and (args.shape is not None or i == 0):
                         for lib, fn in fns:
                             _profile(fn, inputs, f"{lib} {name} {label}")

@@ -38,9 +38,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.timing import (FLA_MISSING, KINDS, busy_ms, fla_available, is_annotation,  # noqa: E402
+                          kernel_kind, triton_kernel_names)
+
 FAMILIES = ("rwkv7", "rwkv6", "gsa")
 LIBS = ("flame", "fla")
-KINDS = ("matmul", "attention", "loss", "optimizer", "other")
 
 
 def trainer_args(family: str, steps: int, dump_folder: str, overrides: list[str]) -> list[str]:
@@ -54,61 +56,6 @@ def trainer_args(family: str, steps: int, dump_folder: str, overrides: list[str]
         "--job.dump_folder", dump_folder,
         *overrides,
     ]
-
-
-# ---- kernel kinds ------------------------------------------------------------------------------
-
-_MATMUL_MARKS = ("gemm", "cutlass", "cublas", "nvjet", "xmma", "wgmma", "matmul", "_mm_")
-_OPTIMIZER_MARKS = ("adam", "multi_tensor", "foreach", "fused_sgd")
-
-
-def triton_kernel_names(prefixes: tuple[str, ...]) -> set[str]:
-    """Names of the Triton kernels defined in the loaded modules under `prefixes`."""
-    names = set()
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(prefixes):
-            continue
-        for value in vars(module).values():
-            fn = value
-            while type(fn).__name__ != "JITFunction" and hasattr(fn, "fn"):  # Autotuner, Heuristics
-                fn = fn.fn
-            if type(fn).__name__ == "JITFunction":
-                names.add(fn.fn.__name__)
-    return names
-
-
-def kernel_kind(name: str, attention: set[str], loss: set[str]) -> str:
-    base = name.split("(")[0]
-    if base in loss:
-        return "loss"
-    if base in attention:
-        return "attention"
-    low = name.lower()
-    if any(mark in low for mark in _MATMUL_MARKS):
-        return "matmul"
-    if any(mark in low for mark in _OPTIMIZER_MARKS):
-        return "optimizer"
-    return "other"
-
-
-def _is_annotation(event) -> bool:
-    """A user or library range on the GPU timeline (FSDP's, the optimizer's), not a kernel."""
-    if getattr(event, "is_user_annotation", False):
-        return True
-    return event.name.startswith(("FSDP::", "Optimizer.", "ProfilerStep", "## "))
-
-
-def busy_ms(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of (start, end) intervals, in the intervals' unit."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total
 
 
 # ---- one (family, library) run, in a child process ---------------------------------------------
@@ -230,7 +177,7 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
         by_kernel: dict[str, float] = {}
         intervals = []
         for event in prof.events():
-            if event.device_type != torch.autograd.DeviceType.CUDA or _is_annotation(event):
+            if event.device_type != torch.autograd.DeviceType.CUDA or is_annotation(event):
                 continue
             us = event.time_range.end - event.time_range.start
             ms = us / 1e3 / profile_steps
@@ -258,14 +205,6 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
 
 
 # ---- the parent: one child per (family, library), then the table -------------------------------
-
-def fla_available() -> bool:
-    try:
-        import fla  # noqa: F401
-    except Exception:
-        return False
-    return True
-
 
 def main() -> int:
     argv = sys.argv[1:]
@@ -297,6 +236,8 @@ def main() -> int:
         return 0
 
     libs = [lib for lib in args.libs.split(",") if lib != "fla" or fla_available()]
+    if "fla" in args.libs.split(",") and "fla" not in libs:
+        print(FLA_MISSING, flush=True)
     results = []
     for family in args.families.split(","):
         for lib in libs:

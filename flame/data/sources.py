@@ -1,7 +1,7 @@
 """Text sources: the embedded corpus, local files and HF hub datasets, all loaded through `datasets`.
 
 A source spec is one string:
-- "embedded": the shipped Shakespeare corpus (flame/data/embedded/shakespeare.jsonl);
+- "embedded": the shipped Shakespeare corpus (flame/data/embedded/shakespeare.jsonl.gz);
 - "json", "parquet" or "text" together with `data_files` globs;
 - a local glob such as "data/*.jsonl" (the type follows the extension);
 - anything else is a HF hub dataset name, optionally "name:config".
@@ -17,7 +17,7 @@ from pathlib import Path
 from flame.data.errors import DataError
 from flame.data.tokenizer import EMBEDDED_DIR
 
-EMBEDDED_CORPUS = EMBEDDED_DIR / "shakespeare.jsonl"
+EMBEDDED_CORPUS = EMBEDDED_DIR / "shakespeare.jsonl.gz"
 LOCAL_TYPES = ("json", "parquet", "text")
 EXTENSION_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 

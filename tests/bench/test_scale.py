@@ -4,7 +4,6 @@ table rows, resume comparison, model-only load), not the numbers; it takes about
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,17 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
+sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
 
-
-def load_scale():
-    """bench/scale.py as a module (bench/ is not a package)."""
-    if "bench_scale" in sys.modules:
-        return sys.modules["bench_scale"]
-    spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "bench" / "scale.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scale"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from bench import scale, scale_runs  # noqa: E402
 
 
 def table(text: str) -> dict[tuple[str, str], list[str]]:
@@ -38,7 +29,6 @@ def table(text: str) -> dict[tuple[str, str], list[str]]:
 
 @pytest.mark.slow
 def test_every_run_on_two_cpu_processes(tmp_path):
-    scale = load_scale()
     from flame.data.prepare import main as prepare
 
     shards = tmp_path / "shards"  # tokenized once, instead of once per rank and run
@@ -82,27 +72,25 @@ def test_every_run_on_two_cpu_processes(tmp_path):
     assert rows[("tiny", "resume after SIGKILL at world 2")][8].startswith("PASS")
     assert rows[("tiny", "model-only load 2 -> 1")][8].startswith("PASS")
     # the GPU rows already in the file are kept as they were
-    assert rows[("rwkv7_1B", "FSDP 8")] == table(original)[("rwkv7_1B", "FSDP 8")]
+    assert rows[("rwkv7_1B", "FSDP 2")] == table(original)[("rwkv7_1B", "FSDP 2")]
     assert "- **tiny · FSDP 2**: `python bench/scale.py --config" in results.read_text()
 
 
 def test_refuses_overrides_of_its_own_keys_and_bad_plans(tmp_path, capsys):
-    scale = load_scale()
     with pytest.raises(SystemExit):
         scale.parse_args(["--config", TINY, "--nproc", "2", "--training.steps", "5"])
     assert "--training.steps is set by bench/scale.py" in capsys.readouterr().err
     args, extra = scale.parse_args(["--config", TINY, "--nproc", "3", "--steps", "7"])
-    with pytest.raises(scale.ScaleError, match=r"--nproc must be even.*--steps must be even"):
-        scale.make_plan(args, extra)
+    with pytest.raises(scale_runs.ScaleError, match=r"--nproc must be even.*--steps must be even"):
+        scale_runs.make_plan(args, extra)
 
 
 def test_throughput_leaves_out_warmup_and_the_step_after_a_save():
-    scale = load_scale()
     args, extra = scale.parse_args(["--config", TINY, "--nproc", "2", "--steps", "6",
                                     "--warmup-steps", "2", "--device", "cpu"])
-    plan = scale.make_plan(args, extra)
+    plan = scale_runs.make_plan(args, extra)
     records = [{"step": s, "loss": 9.0 - s, "tokens_per_s_per_device": speed}
                for s, speed in zip(range(1, 7), [1.0, 1.0, 10.0, 1.0, 12.0, 11.0])]
-    result = scale.throughput(records, plan, checkpoint_steps=(3,))  # step 4 holds the save
+    result = scale_runs.throughput(records, plan, checkpoint_steps=(3,))  # step 4 holds the save
     assert result["tokens_per_s_per_gpu"] == 11.0 and result["timed_steps"] == 3
     assert result["first_loss"] == 8.0 and result["last_loss"] == 3.0

@@ -1,4 +1,4 @@
-"""Issue 7: mixtures, varlen packing, pre-tokenized shards, hub errors, worker tokenization."""
+"""The data pipeline: mixtures, varlen packing, pre-tokenized shards, hub errors, worker tokenization."""
 
 import json
 

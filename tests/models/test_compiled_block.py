@@ -2,7 +2,7 @@
 
 The chunked ops reach torch.compile as custom ops (torch.ops.flame.chunk_<family>_fwd/_bwd), so each
 block is one graph. With the op behind a graph break instead, saving the compiled backward of the region
-beside it to the AOTAutograd cache crashed the process (SIGSEGV in the cache entry's pickling, on the
+beside it to the AOTAutograd cache crashes the process (SIGSEGV in the cache entry's pickling, on the
 first backward, on an H100): the RWKV7 test runs Inductor with that cache on. The runs happen in
 subprocesses so that a crash fails a test instead of the test session.
 """

@@ -1,5 +1,5 @@
 """CUDA checks (skipped without a GPU): the models on the Triton kernels in bf16 are finite
-(known failure 3 was "all-NaN RWKV7 in bf16 on CUDA") and agree with the PyTorch backend."""
+(known failure 3: all-NaN RWKV7 in bf16 on CUDA) and agree with the PyTorch backend."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def test_failure3_fresh_model_is_finite_in_bf16_on_cuda_triton(family):
 
 def test_gsa_model_at_the_340M_head_shape_is_finite_in_bf16_on_cuda_triton():
     """gsa_340M's head shape (head dim 256, 64 slots: the slot kernels' bf16 products; at 32 slots they
-    multiply in fp32 since a bf16 model at that shape crashed, see flame/ops/gsa/chunk_triton.py)."""
+    multiply in fp32, as a bf16 model at that shape crashes with bf16 operands there, see
+    flame/ops/gsa/chunk_triton.py)."""
     args = tiny_args("gsa", hidden_size=512, num_layers=2, num_heads=2, num_slots=64, vocab_size=1000,
                      backend="triton")
     assert_fresh_bf16_model_is_finite(args, "gsa 340M head shape")

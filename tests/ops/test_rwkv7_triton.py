@@ -195,7 +195,7 @@ def test_bf16_products_keep_the_gate_gradient():
     """bf16 inputs with the gate at the bound: the kernels' bf16 storage and operands (emulated, with
     round-to-nearest, under the interpreter) keep every gradient within the GPU tolerance of fp64. dw is
     the I2 sum, in which the q-k pair terms of q dq and k dk cancel; with bf16 operands on both sides of
-    that pair dw was 1.8e-2 off here (2.1e-2 on an H100 at T = 4096)."""
+    that pair dw is 1.8e-2 off here (2.1e-2 on an H100 at T = 4096)."""
     check_against_naive(chunk_centred, rwkv7_inputs(T=256, H=2, K=64, V=64, dtype=torch.bfloat16, decay=LB),
                         ratio=1e-2)
 
@@ -204,7 +204,7 @@ def test_trained_head_bf16_numerics():
     """The first 256 tokens of the trained RWKV7-340M head of test_rwkv7_bf16_trained_head.py (slow
     decays, |k| up to 8, outputs up to 1e4), bf16, centred regime: with the kernels' bf16 storage and
     operands (emulated under the interpreter) o and every gradient stay within 1e-2 of fp64. With bf16
-    operands also in W, G, Q', E, C and in the backward's products, dw was 9e-2 and db 3e-2 off here."""
+    operands also in W, G, Q', E, C and in the backward's products, dw is 9e-2 and db 3e-2 off here."""
     data = torch.load(TRAINED_HEAD, map_location=DEVICE)
     inputs = {n: data[n][:, :256].contiguous().requires_grad_() for n in "rwkvab"}
     check_against_naive(chunk_centred, {**inputs, "initial_state": None}, ratio=1e-2)
@@ -228,7 +228,7 @@ def test_bound_past_headroom_uses_exact_regime():
 # Newton step whose residual is a bf16x3 product (TF32 = 2 and bf16x3 emulated under the interpreter)
 INVERSE_PRECISIONS = pytest.mark.parametrize("precision, tf32", [("tf32x3", 0), ("bf16x3", 2 if DEVICE == "cpu" else 1)],
                                              ids=["fp32_inputs", "16bit_inputs"])
-ALIGNED_INVERSE_TOL = {"tf32x3": 5e-6, "bf16x3": 2e-5}  # the bf16x3 Newton residual: 1.1e-5 (the old product: 1.5e-5, 25%)
+ALIGNED_INVERSE_TOL = {"tf32x3": 5e-6, "bf16x3": 2e-5}  # the bf16x3 Newton residual: 1.1e-5
 
 
 @INVERSE_PRECISIONS

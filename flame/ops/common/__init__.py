@@ -56,7 +56,7 @@ Not covered here: the intra-chunk read of a gate on the value side (A = q k^T fo
 per-column decayed A v, GSA pass 1); flame.ops.gsa.chunk_triton builds it from these blocks.
 
 Structure, for speed: the state passes are split into a parallel per-chunk local term
-and an elementwise scan over chunks (state.py), so a long sequence with few heads no longer runs a
+and an elementwise scan over chunks (state.py), so a long sequence with few heads does not run a
 few hundred programs through a chain of tensor-core steps; A is computed once in the forward and
 saved (output.py); dv writes dA, which the dq/dk/dg kernel reads whole for the off-diagonal
 sub-block products and gathers entry by entry for the exact diagonal sub-blocks, computed in an
@@ -64,7 +64,7 @@ sub-block products and gathers entry by entry for the exact diagonal sub-blocks,
 Launch widths: module constants (INTRA_WARPS, DQKG_WARPS, ...; 4 warps each, the fastest for
 RWKV6's K = V = 64 on the H100), and a family with wider tiles passes its own to the
 intra and dq/dk/dg kernels (GSA: 8). bench/ops.py --profile gives the per-kernel split. (16 and 8
-warps were slower for RWKV6 on the H100 with triton 3.6.)
+warps are slower for RWKV6 on the H100 with triton 3.6.)
 """
 
 import os

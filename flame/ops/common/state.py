@@ -10,7 +10,7 @@ Both are split in two:
 2. a scan that walks the chunks of each sequence and, in place, replaces each chunk's local term by
    the state entering it (forward) or the gradient of the state leaving it (reverse). The scan is
    elementwise in K x V (the decay is diagonal), so every state element is its own chain and the
-   programs tile the flattened K*V axis: the parallelism no longer depends on the batch size, and
+   programs tile the flattened K*V axis: the parallelism does not depend on the batch size, and
    each step is a load, a multiply-add and a store (four chunks loaded ahead per iteration).
 States and state gradients are fp32 throughout.
 """

@@ -29,9 +29,9 @@ the chunk's S^in, dS^out, dO and V, forms dQ' = dO S^T, dE = dO V^T, dA = dS S^T
 da and through the intra products to dk, db and dw by the reverse cumsum of identity I2
 (`_bwd_intra`). The two pass fp32 [BT, K] / [BT, BT] tiles through global memory, so that neither
 holds the whole chain: with 3xTF32 products at 4 warps, a program that held it spilled 6-14 KB of
-registers per thread. Four kernels (output side, state side, WY, column side), as in
-sessions 1-7, moved more tiles through memory: the two are 0.16 ms faster per fwd+bwd at B8 T2048
-H16 K64 bf16 on the H100. No atomics anywhere: the backward is deterministic. By
+registers per thread. Four kernels (output side, state side, WY, column side) would move more
+tiles through memory: the two are 0.16 ms faster per fwd+bwd than four at B8 T2048 H16 K64 bf16 on
+the H100. No atomics anywhere: the backward is deterministic. By
 default the backward runs `_prepare` again, from the WY inverse Tm that the forward keeps; with
 cache_intermediates the forward keeps all its intermediates instead (faster, more memory). Head dims
 K > 128 do not fit one program's tiles and run on the fused recurrent kernels instead.
@@ -48,7 +48,7 @@ Intra regimes (kernels.md 2.3):
   same chunk size. Every per-chunk kernel that depends on the regime launches twice, once per regime,
   each launch skipping the chunks of the other (`_regime_selected`: one byte per program, where reading
   the chunk's gates cost ~35 us per launch): a program holding both paths spills more (the backward's
-  output-side and WY kernels ran 15-50% slower that way on an H100). `_prepare`'s first
+  output-side and WY kernels run 15-50% slower that way on an H100). `_prepare`'s first
   launch decides and records the regime. The scans do not depend on the regime.
 
 Precision: fp32 decay cumsums, states, state gradients and intermediates everywhere. Products with
@@ -62,9 +62,9 @@ bf16 inputs:
 - one TF32 pass (`mm_tf32_if` with TF32) in the WY inverse, followed by a Newton step
   (wy_inverse_triton.py), in the state side's products and the reductions over V of `_bwd_maps`
   and in the column side's products of `_bwd_intra` (see _Plan.tf32).
-Plain TF32 in the old nilpotent-product inverse overflowed a trained head (commit 18d7abb: that
-inverse lost 25% there in TF32); bf16 in W, G or the backward's products cost up to 4x the error
-there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
+Plain TF32 in the state recurrence, or in an inverse by nilpotent products, overflows a trained
+head (tests/ops/test_rwkv7_bf16_trained_head.py); bf16 in W, G or the backward's products costs up
+to 4x the error there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
 operands (the 2.3 fp16 caveat; bf16x3 has fp32's exponent range). Under the interpreter, whose bf16
 tl.dot is wrong and whose bf16 cast truncates, LOWP = 2 reproduces the same round-to-nearest operand
 rounding around fp32 products, TF32 = 2 truncates the operands of the one-pass TF32 products as the
@@ -87,7 +87,7 @@ LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
 MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
 # warps per program: 4 everywhere. The per-chunk kernels compiled for 8 warps with 3xTF32 products
-# gave wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64), although 8
+# give wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64), although 8
 # warps would halve their registers per thread.
 WARPS_CHUNK = 4
 WARPS_SCAN = 4
@@ -420,7 +420,7 @@ def _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As,
         b_Mak, b_Mab = _pairwise_a_side(b_a, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi, Ge,
                                         BT, PREC)
     # the q side before the inverse, which it does not depend on: its products then fill the latency of
-    # the inverse's serial chain (forward 0.695 -> 0.647 ms at B8 T2048 H16 K64 bf16, H100).
+    # the inverse's serial chain (the forward is 7% faster for it at B8 T2048 H16 K64 bf16, H100).
     # The centred factors and the k, b tiles are formed again from the loads: one branch holding them
     # for both sides spilled 88 B per thread instead of 24 (ptxas, sm_90, forward)
     b_q = _load_rows(q + bk, p_k, m_rk) * scale
@@ -616,9 +616,9 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
     `_bwd_intra`), dM^qb = incl(dQ' W^T + dE G^T), dq (dQ̂ e^Γ + the row side of dM^qk = incl(dE) and
     dM^qb) and its I2 term q dq. Stores dE, dM^qb and q dq (fp32) for `_bwd_intra`.
     One kernel for both sides keeps dW and dG out of global memory between them and reads the chunk's
-    gates, keys, W and G once; the second pass over S^in and V mostly hits L2. It took 0.74-0.76 ms per
-    fwd+bwd where the two kernels of each side took 0.82 (H100, B8 T2048 H16 K64 bf16). One
-    pass accumulating all four reductions at once held more registers and was slower (0.80)."""
+    gates, keys, W and G once; the second pass over S^in and V mostly hits L2. It takes 0.74-0.76 ms
+    per fwd+bwd where one kernel per side takes 0.82 (H100, B8 T2048 H16 K64 bf16). One pass
+    accumulating all four reductions at once holds more registers and is slower (0.80)."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -710,8 +710,8 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     columns of dM^qb and dM^ab; then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,
     γ = q dq + a da - k dk - b db.
     dM^ak, dM^ab and a da stay in registers between the two, and the gates, a, k and b are read by one
-    program: 0.67 ms per fwd+bwd where the two kernels of each part took 0.75 (H100, B8 T2048 H16 K64
-    bf16), although ptxas spills 208 B per thread here (72 B in the WY kernel alone)."""
+    program: 0.67 ms per fwd+bwd where one kernel per part takes 0.75 (H100, B8 T2048 H16 K64
+    bf16), although ptxas spills 208 B per thread here (a kernel of the WY part alone spills 72 B)."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -820,21 +820,20 @@ class _Plan:
         self.scan_stages = 2 if self.BK <= 64 else 1
         interp = _interpreting()
         # the scans' state recurrence A S: fp32-accurate (3xTF32) for every input dtype. With plain TF32
-        # there (and in the old nilpotent-product inverse) a trained RWKV7-340M head (bf16, T = 2048, slow
-        # decays, aligned kappa) overflowed to inf by chunk 29 on the H100 (commit 18d7abb,
-        # tests/ops/test_rwkv7_bf16_trained_head.py)
+        # there a trained RWKV7-340M head (bf16, T = 2048, slow decays, aligned kappa) overflows to inf
+        # by chunk 29 on the H100 (tests/ops/test_rwkv7_bf16_trained_head.py)
         self.prec_state = "tf32x3"
         # the per-chunk kernels' fp32-operand products: 3xTF32 for fp32 inputs; bf16x3 for 16-bit inputs
         # (`mm_prec`: ~16 mantissa bits, 2^-16 per product, where one TF32 pass has 2^-11 and 3xTF32
-        # 2^-21; half the tensor-core work of 3xTF32 and half its operand registers). H100, B8 T2048 H16
-        # K64 bf16: fwd+bwd 4.45 -> 3.85 ms, with the trained head's errors against fp64 unchanged to
-        # two digits (o 2.64e-3, dw 2.97e-3 -> 2.89e-3)
+        # 2^-21; half the tensor-core work of 3xTF32 and half its operand registers): 13% less time per
+        # fwd+bwd than 3xTF32 (H100, B8 T2048 H16 K64 bf16), with the trained head's errors against fp64
+        # the same to two digits (o 2.64e-3, dw 2.9e-3)
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
         # register cap (ptxas maxnreg) of `_prepare` at head dims <= 64, where it runs at 2 programs per SM
-        # with 255 registers: 168 lets it run 3 per SM and spill a little, 0.85 -> 0.79 ms per fwd+bwd on the
-        # H100 (255 in the forward's launches only: 0.04 ms slower). The backward's two
-        # kernels run uncapped: `_bwd_maps` 0.76 -> 0.79 ms at 168 (ptxas: 232 B spilled instead of none),
-        # `_bwd_intra` already spills at 255
+        # with 255 registers: 168 lets it run 3 per SM and spill a little, 0.79 ms per fwd+bwd instead of
+        # 0.85 on the H100 (255 in the forward's launches only: 0.04 ms slower). The backward's two
+        # kernels run uncapped: `_bwd_maps` takes 0.79 ms at 168 instead of 0.76 (ptxas: 232 B spilled
+        # instead of none), `_bwd_intra` already spills at 255
         self.maxnreg = 168 if self.BK <= 64 else None
         # `_bwd_maps` loops over V blocks twice: pipeline stages (prefetch the next block's S, dS, dO, V) at
         # head dims <= 64: 3 stages 0.744 ms per fwd+bwd, 2 0.760, 1 0.881 (H100); 1 stage at
@@ -848,14 +847,14 @@ class _Plan:
         self.scan_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
         # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) in the state side's products and all four
         # reductions over V of `_bwd_maps` (dQ' = dO S^T, dE = dO V^T, dA, dC) and in the column side's
-        # products of `_bwd_intra` (the state and column sides were kernels of their own then), whose errors stay in the
-        # chunk's gradients and never enter a recurrence, and in the WY inverse, which a Newton step then
-        # brings back to 3xTF32 accuracy. Trained head, first 512 tokens, interpreter with TF32 operand
-        # truncation, against fp64: dw 3.0e-3 -> 3.8e-3 (state) / 4.3e-3 (kb), dQ', dE no change, the rest
-        # unchanged. The same pass cost too much in the rest of the output side (dM^qb: dw 8.4e-3; dW, dG:
-        # db 3.5e-3), in the WY backward (dw 5.5e-3 to 2.4e-2 by product), and in `_prepare`: in Q', E, C (o 5.4e-3), in
-        # G, M^ak (o 1.1e-2) and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048). (Measured
-        # against 3xTF32 products; they are bf16x3 now, see prec.)
+        # products of `_bwd_intra`, whose errors stay in the chunk's gradients and never enter a
+        # recurrence, and in the WY inverse, which a Newton step then brings back to 3xTF32 accuracy.
+        # Trained head, first 512 tokens, interpreter with TF32 operand truncation, against fp64, the
+        # other products in 3xTF32: dw 3.0e-3 without the pass, 3.8e-3 with it in the state side, 4.3e-3
+        # with it in the column side; dQ', dE and the rest unchanged. The same pass costs too much
+        # in the rest of the output side (dM^qb: dw 8.4e-3; dW, dG: db 3.5e-3), in the WY backward (dw
+        # 5.5e-3 to 2.4e-2 by product), and in `_prepare`: in Q', E, C (o 5.4e-3), in G, M^ak (o 1.1e-2)
+        # and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048).
         self.tf32 = self.lowp  # the same switch: bf16 inputs, 1 on a GPU, 2 emulated under the interpreter
 
     def grid(self, mode):
@@ -1084,7 +1083,7 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     backward: ~20 GB over rwkv7_340M's 24 layers at its batch of 16 without activation checkpointing,
     which an 80 GB GPU does not have to spare. Off: the backward recomputes them (`_prepare_kernel` once
     more) from the WY inverse Tm alone, which the forward keeps (C fp32 per token and head: 128 bytes at
-    C = 32; it saved 0.1 ms of recomputation): fwd+bwd 2.63-2.64 ms against 2.35-2.38 cached at B8
+    C = 32; it saves 0.1 ms of recomputation): fwd+bwd 2.63-2.64 ms against 2.35-2.38 cached at B8
     T2048 H16 K64 bf16 on the H100.
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """

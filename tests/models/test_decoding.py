@@ -16,7 +16,7 @@ SEQ = 40
 def trained_like(family: str, device="cpu", **overrides):
     """A tiny model whose zero-initialised projections (RWKV outputs, LoRA firsts) are perturbed,
     so that every path of the attention reaches the logits."""
-    model = build_seeded(tiny_args(family, num_layers=2, vocab_size=256, **overrides)).to(device)
+    model = build_seeded(tiny_args(family, **{"num_layers": 2, "vocab_size": 256, **overrides})).to(device)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():

@@ -140,6 +140,7 @@ def test_command_line_generates_from_a_trained_checkpoint(tmp_path, capsys):
 
     Trainer(tiny_config(tmp_path, training={"steps": 2, "seq_len": 16},
                         checkpoint={"enable": True, "interval": 2})).train()
+    capsys.readouterr()  # the trainer's log
     assert main(["--model", str(tmp_path), "--prompt", "To be, or not", "--temperature", "0",
                  "--max-new-tokens", "6", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flame.models import LayerState
+from flame.ops.backend import triton_interpreter_enabled
 from tests.models.helpers import FAMILIES, build_seeded, tiny_args
 
 SEQ = 40
@@ -58,6 +59,15 @@ def test_prefill_in_several_chunked_calls_equals_one_forward(family):
     torch.testing.assert_close(torch.cat(outputs, 1), expected, rtol=1e-5, atol=1e-5)
     last, _ = model.forward_with_state(ids, last_only=True)
     torch.testing.assert_close(last, expected[:, -1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not triton_interpreter_enabled(), reason="Triton kernels on CPU need TRITON_INTERPRET=1")
+@torch.no_grad()
+def test_recurrent_decoding_on_the_triton_kernels_under_the_interpreter():
+    """The Triton path of decoding (chunked prefill from a state, fused recurrent steps) on CPU."""
+    model = trained_like("rwkv7", backend="triton")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(decode_step_by_step(model, ids, 19), model(ids), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

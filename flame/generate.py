@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command, value_checks_off
+from flame.models.state import concat_states
 
 PROMPT_CONTEXT_TOKENS = 4
 """Prompt tokens the streaming decoder keeps in front of the first new token, so that a tokenizer
@@ -66,7 +67,9 @@ def generate(model, input_ids: torch.Tensor | None = None, *, prompt: str | None
              seed: int | None = None, eos_token_id: int | None = None,
              stream: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """The new tokens [B, n] (n <= max_new_tokens) that `model` (a flame CausalLM) appends to
-    `input_ids` [B, T] (B prompts of T tokens each), or to `prompt` encoded by `tokenizer` (B = 1).
+    `input_ids`: a tensor [B, T] of B prompts of T tokens, or a list of B token-id lists of any
+    lengths (each prefilled on its own, then decoded together); or to `prompt` encoded by
+    `tokenizer` (B = 1).
 
     temperature 0 is greedy decoding; otherwise tokens are drawn with top_k / top_p filtering from
     a torch.Generator seeded with `seed` (None: a random seed), on the model's device, so a seed
@@ -85,9 +88,15 @@ def generate(model, input_ids: torch.Tensor | None = None, *, prompt: str | None
             raise InferenceError("the prompt is empty: it encodes to no tokens")
         input_ids = torch.tensor([ids])
     device = model.embeddings.weight.device
-    input_ids = input_ids.to(device)
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be [batch, prompt_len >= 1], got shape {tuple(input_ids.shape)}")
+    if isinstance(input_ids, torch.Tensor):
+        input_ids = input_ids.to(device)
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, prompt_len >= 1], got shape {tuple(input_ids.shape)}")
+        prompts = [input_ids]
+    else:
+        prompts = [torch.as_tensor(ids, dtype=torch.long, device=device)[None] for ids in input_ids]
+        if not prompts or any(p.dim() != 2 or p.shape[1] == 0 for p in prompts):
+            raise ValueError("input_ids must be a [batch, prompt_len] tensor or a list of non-empty token-id lists")
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=device)
@@ -97,9 +106,11 @@ def generate(model, input_ids: torch.Tensor | None = None, *, prompt: str | None
             generator.manual_seed(seed)
 
     new_tokens = []
-    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
     with value_checks_off():
-        logits, state = model.forward_with_state(input_ids, last_only=True)
+        prefilled = [model.forward_with_state(p, last_only=True) for p in prompts]
+        logits = torch.cat([p[0] for p in prefilled], dim=0)
+        state = prefilled[0][1] if len(prefilled) == 1 else concat_states([p[1] for p in prefilled])
+        finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
             token = sample_next(logits[:, -1], temperature, top_p, top_k, generator)
             if eos_token_id is not None:

@@ -47,3 +47,19 @@ class LayerState:
         o, self.recurrent = op(*args, initial_state=self.recurrent, output_final_state=True, **kwargs)
         return o
 
+
+
+def concat_states(states: list[list[LayerState]]) -> list[LayerState]:
+    """Model states of several batches (each one `LayerState` per layer, every field set) joined
+    along the batch dimension, in order: e.g. prompts of different lengths prefilled one by one,
+    then decoded together."""
+
+    def cat(parts):
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(p, dim=0) for p in zip(*parts))
+        return torch.cat(parts, dim=0)
+
+    fields = [f.name for f in dataclasses.fields(LayerState)]
+    return [LayerState(**{name: None if getattr(layer[0], name) is None else cat([getattr(s, name) for s in layer])
+                          for name in fields})
+            for layer in zip(*states)]

@@ -35,6 +35,19 @@ def test_greedy_generate_equals_an_argmax_loop_over_full_recompute(family):
     assert torch.equal(torch.stack(streamed, dim=1), new)
 
 
+@torch.no_grad()
+def test_prompts_of_different_lengths_decode_together_as_they_do_alone():
+    model = trained_like("gsa")
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 19, 1)]
+    together = generate(model, prompts, max_new_tokens=6, temperature=0)
+    for row, ids in enumerate(prompts):
+        alone = generate(model, torch.tensor([ids]), max_new_tokens=6, temperature=0)
+        assert torch.equal(together[row], alone[0]), f"prompt {row}"
+    with pytest.raises(ValueError, match="non-empty"):
+        generate(model, [[1, 2], []], max_new_tokens=2)
+
+
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy():
     model = trained_like("rwkv7")
     prompt = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(1))

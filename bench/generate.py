@@ -11,7 +11,7 @@ imported only when installed and asked for): the same family built by fla with t
 through transformers' `generate` with fla's own recurrent cache, forced to the same length
 (min_new_tokens).
 
-Per family, library and batch size it reports the prefill time (one forward of the prompts), the
+Per family, library and batch size it reports the prefill time (a generation of one token), the
 decoding throughput (new tokens of the whole batch per second after the prefill) and the
 end-to-end throughput (new tokens per second including the prefill), from the median times of
 --repeats runs after one untimed warm-up run (Triton compilation and autotuning), and the peak

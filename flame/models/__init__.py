@@ -9,6 +9,7 @@ from flame.models.gsa import GSAForCausalLM
 from flame.models.l2wrap import l2wrap
 from flame.models.rwkv6 import RWKV6ForCausalLM
 from flame.models.rwkv7 import RWKV7ForCausalLM
+from flame.models.state import LayerState
 
 MODEL_CLASSES = {"rwkv6": RWKV6ForCausalLM, "rwkv7": RWKV7ForCausalLM, "gsa": GSAForCausalLM}
 
@@ -25,6 +26,7 @@ def build_model(args) -> CausalLM:
 __all__ = [
     "CausalLM",
     "GSAForCausalLM",
+    "LayerState",
     "MODEL_CLASSES",
     "RWKV6ForCausalLM",
     "RWKV7ForCausalLM",

@@ -7,23 +7,27 @@ and FLOP counts, meta-device friendly `init_weights`) lives here once.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from flame.models.init import default_init_skipped
+from flame.models.state import LayerState
 from flame.models.token_shift import check_cu_seqlens
 
 
 class CausalLM(nn.Module):
-    """`model(input_ids [B, T], cu_seqlens=None) -> logits [B, T, vocab]`.
+    """`model(input_ids [B, T], cu_seqlens=None) -> logits [B, T, vocab]`; for inference,
+    `forward_with_state(input_ids, state) -> (logits, state)` continues from a recurrent state.
 
     Attributes used by the trainer: `embeddings`, `layers` (one block per layer, the unit of
     sharding, checkpointing and compile), `norm`, `lm_head`.
 
     Subclasses implement `_build_layers(args)`, `_build_norm(args)` and
     `_init_embeddings_and_head()`; blocks implement `init_weights()` and
-    `state_flops_per_token()`. Blocks take `(x, cu_seqlens=...)`; a family whose blocks pass
-    extra state between layers overrides `_run_layers`.
+    `state_flops_per_token()`. Blocks take `(x, cu_seqlens=..., state=None)`; a family whose
+    blocks pass extra values between layers overrides `_run_layers` and `_run_layers_with_state`.
     """
 
     def __init__(self, args):
@@ -76,16 +80,42 @@ class CausalLM(nn.Module):
         return x
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"input_ids must be an integer tensor [batch, seq_len], got {input_ids.dtype} "
-                f"of shape {tuple(input_ids.shape)}"
-            )
+        check_input_ids(input_ids)
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1])
         x = self.embeddings(input_ids)
         x = self._run_layers(x, cu_seqlens)
         return self.lm_head(self.norm(x))
+
+    def _run_layers_with_state(self, x: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
+        for layer, state in zip(self.layers, states):
+            x = layer(x, state=state)
+        return x
+
+    def forward_with_state(self, input_ids: torch.Tensor, state: list[LayerState] | None = None,
+                           last_only: bool = False) -> tuple[torch.Tensor, list[LayerState]]:
+        """`(logits [B, T, vocab], state)`: the B sequences of input_ids continued from `state`
+        (one `LayerState` per layer, None for empty prefixes), and the state after them.
+
+        T > 1 (a prompt) runs the chunked kernels from the state; T == 1 (a decoding step) runs
+        the fused recurrent ones, O(1) in the length of the prefix. Any split of a text into
+        calls gives the logits of one `forward` over it, up to rounding. The given state is left
+        as it was. last_only: logits of the last position only ([B, 1, vocab]), which is all a
+        prompt's prefill needs.
+        """
+        check_input_ids(input_ids)
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids must hold at least one token per sequence")
+        if state is None:
+            states = [LayerState() for _ in self.layers]
+        elif len(state) != len(self.layers):
+            raise ValueError(f"state has {len(state)} layer states for a model of {len(self.layers)} layers")
+        else:
+            states = [dataclasses.replace(s) for s in state]
+        x = self._run_layers_with_state(self.embeddings(input_ids), states)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)), states
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters; with exclude_embeddings, minus the input embedding
@@ -109,3 +139,11 @@ class CausalLM(nn.Module):
         if self.tie_word_embeddings:
             matmul_params += self.lm_head.weight.numel()
         return 6 * matmul_params + sum(layer.state_flops_per_token() for layer in self.layers)
+
+
+def check_input_ids(input_ids: torch.Tensor) -> None:
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"input_ids must be an integer tensor [batch, seq_len], got {input_ids.dtype} "
+            f"of shape {tuple(input_ids.shape)}"
+        )

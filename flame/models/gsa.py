@@ -20,6 +20,7 @@ from torch import nn
 
 from flame.models import init
 from flame.models.causal_lm import CausalLM
+from flame.models.state import LayerState
 from flame import ops
 
 INIT_STD = 0.02
@@ -78,7 +79,8 @@ class GSAAttention(nn.Module):
         init.normal_(self.o_proj.weight, INIT_STD / math.sqrt(2 * self.num_layers))
         self.g_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, HQ, d, M = self.num_kv_heads, self.num_heads, self.head_dim, self.num_slots
         q = F.silu(self.q_proj(x)).view(B, T, HQ, d)
@@ -86,7 +88,10 @@ class GSAAttention(nn.Module):
         v = F.silu(self.v_proj(x)).view(B, T, H, d)
         g = F.logsigmoid(self.f_proj(x)).view(B, T, H, M) / self.gate_logit_normalizer
         s = -torch.expm1(g)  # 1 - exp(g), exact near g = 0
-        o, _ = ops.chunk_gsa(q, k, v, s, g, scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend)
+        if state is None:
+            o, _ = ops.chunk_gsa(q, k, v, s, g, scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend)
+        else:
+            o = state.attend(ops.chunk_gsa, ops.fused_recurrent_gsa, q, k, v, s, g, scale=1.0, backend=self.backend)
         return self.o_proj(self.g_norm(F.silu(o.reshape(B, T, HQ * d))))
 
     def state_flops_per_token(self) -> int:
@@ -135,8 +140,9 @@ class GSABlock(nn.Module):
         self.attn.init_weights()
         self.mlp.init_weights()
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cu_seqlens)
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cu_seqlens, state)
         return x + self.mlp(self.mlp_norm(x))
 
     def state_flops_per_token(self) -> int:

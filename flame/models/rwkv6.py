@@ -22,6 +22,7 @@ from torch import nn
 
 from flame.models import init
 from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, vector_param
+from flame.models.state import LayerState
 from flame.models.token_shift import token_shift
 from flame import ops
 
@@ -96,10 +97,12 @@ class RWKV6Attention(nn.Module):
         init.constant_(self.ln_x.weight, ((self.layer_id + 1) / self.num_layers) ** 0.7)
         init.zeros_(self.ln_x.bias)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None) -> torch.Tensor:
         B, T, C = x.shape
         H, N = self.num_heads, self.head_dim
-        delta = token_shift(x, cu_seqlens) - x
+        shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "attn_shift")
+        delta = shifted - x
         xi = torch.tanh(torch.addcmul(x, delta, self.mu_x) @ self.mix_w1)
         xi = xi.view(B * T, MIX_BRANCHES, self.mix_rank).transpose(0, 1)
         m_w, m_k, m_v, m_r, m_g = torch.bmm(xi, self.mix_w2).view(MIX_BRANCHES, B, T, C).unbind(0)
@@ -114,7 +117,11 @@ class RWKV6Attention(nn.Module):
         v = self.value(xv).view(B, T, H, N)
         g = F.silu(self.gate(xg))
         w = -torch.exp(self.time_decay + torch.tanh(xw @ self.decay_w1) @ self.decay_w2).view(B, T, H, N)
-        o, _ = ops.chunk_rwkv6(r, k, v, w, self.bonus, scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend)
+        if state is None:
+            o, _ = ops.chunk_rwkv6(r, k, v, w, self.bonus, scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend)
+        else:
+            o = state.attend(ops.chunk_rwkv6, ops.fused_recurrent_rwkv6, r, k, v, w, self.bonus, scale=1.0,
+                             backend=self.backend)
         o = self.ln_x(o.reshape(B * T, C)).view(B, T, C)
         return self.output(o * g)
 
@@ -148,8 +155,10 @@ class RWKV6FeedForward(nn.Module):
         init.zeros_(self.receptance.weight)
         init.zeros_(self.value.weight)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        delta = token_shift(x, cu_seqlens) - x
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None) -> torch.Tensor:
+        shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "ffn_shift")
+        delta = shifted - x
         k = torch.relu(self.key(torch.addcmul(x, delta, self.mu_k))).square()
         return torch.sigmoid(self.receptance(torch.addcmul(x, delta, self.mu_r))) * self.value(k)
 
@@ -158,11 +167,12 @@ class RWKV6Block(RWKVBlock):
     def __init__(self, args, layer_id: int):
         super().__init__(args, layer_id, RWKV6Attention(args, layer_id), RWKV6FeedForward(args, layer_id))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None) -> torch.Tensor:
         if self.is_first:
             x = self.pre_norm(x)
-        x = x + self.attn(self.attn_norm(x), cu_seqlens)
-        return x + self.ffn(self.ffn_norm(x), cu_seqlens)
+        x = x + self.attn(self.attn_norm(x), cu_seqlens, state)
+        return x + self.ffn(self.ffn_norm(x), cu_seqlens, state)
 
 
 class RWKV6ForCausalLM(RWKVCausalLM):

@@ -25,6 +25,7 @@ from torch import nn
 
 from flame.models import init
 from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, vector_param
+from flame.models.state import LayerState
 from flame.models.token_shift import token_shift
 from flame import ops
 
@@ -98,10 +99,12 @@ class RWKV7Attention(nn.Module):
         init.constant_(self.ln_x.weight, ((self.layer_id + 1) / self.num_layers) ** 0.7)
         init.zeros_(self.ln_x.bias)
 
-    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None):
         B, T, C = x.shape
         H, N = self.num_heads, self.head_dim
-        delta = token_shift(x, cu_seqlens) - x
+        shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "attn_shift")
+        delta = shifted - x
         xr, xw, xk, xv, xa, xg = (
             torch.addcmul(x, delta, mu) for mu in (self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g)
         )
@@ -123,11 +126,15 @@ class RWKV7Attention(nn.Module):
         kappa = F.normalize((k * self.k_k).view(B, T, H, N), p=2.0, dim=-1)
         k = k * (1 + (a - 1) * self.k_a)
         r, w, k, v, a = (t.view(B, T, H, N) for t in (r, w, k, v, a))
-        o, _ = ops.chunk_rwkv7(
-            r, w, k, v, -kappa, kappa * a,
-            scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend, gate_lower_bound=-DECAY_BOUND,
-            cache_intermediates=self.cache_intermediates,
-        )
+        if state is None:
+            o, _ = ops.chunk_rwkv7(
+                r, w, k, v, -kappa, kappa * a,
+                scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend, gate_lower_bound=-DECAY_BOUND,
+                cache_intermediates=self.cache_intermediates,
+            )
+        else:
+            o = state.attend(ops.chunk_rwkv7, ops.fused_recurrent_rwkv7, r, w, k, v, -kappa, kappa * a,
+                             scale=1.0, backend=self.backend, gate_lower_bound=-DECAY_BOUND)
         o = self.ln_x(o.reshape(B * T, C)).view(B, T, H, N)
         o = o + (r * k * self.r_k).sum(dim=-1, keepdim=True) * v
         return self.output(o.reshape(B, T, C) * g), v_first
@@ -158,8 +165,10 @@ class RWKV7FeedForward(nn.Module):
         init.rwkv_orthogonal_(self.key.weight, 1.0)
         init.zeros_(self.value.weight)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        delta = token_shift(x, cu_seqlens) - x
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None) -> torch.Tensor:
+        shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "ffn_shift")
+        delta = shifted - x
         return self.value(torch.relu(self.key(torch.addcmul(x, delta, self.mu_k))).square())
 
 
@@ -167,12 +176,13 @@ class RWKV7Block(RWKVBlock):
     def __init__(self, args, layer_id: int):
         super().__init__(args, layer_id, RWKV7Attention(args, layer_id), RWKV7FeedForward(args, layer_id))
 
-    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None):
         if self.is_first:
             x = self.pre_norm(x)
-        attn_out, v_first = self.attn(self.attn_norm(x), v_first, cu_seqlens)
+        attn_out, v_first = self.attn(self.attn_norm(x), v_first, cu_seqlens, state)
         x = x + attn_out
-        x = x + self.ffn(self.ffn_norm(x), cu_seqlens)
+        x = x + self.ffn(self.ffn_norm(x), cu_seqlens, state)
         return x, v_first
 
 
@@ -184,4 +194,10 @@ class RWKV7ForCausalLM(RWKVCausalLM):
         v_first = None
         for layer in self.layers:
             x, v_first = layer(x, v_first, cu_seqlens=cu_seqlens)
+        return x
+
+    def _run_layers_with_state(self, x: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
+        v_first = None
+        for layer, state in zip(self.layers, states):
+            x, v_first = layer(x, v_first, state=state)
         return x

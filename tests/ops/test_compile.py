@@ -95,3 +95,21 @@ def test_chunk_custom_ops_pass_opcheck(family):
         op = torch.ops.flame.chunk_gsa_fwd.default
         args = tuple(inputs[n] for n in ("q", "k", "v", "s", "g")) + (*inputs["initial_state"], 1.0, True, 16)
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv6"])
+@pytest.mark.parametrize("output_final_state", [False, True])
+@torch.no_grad()
+def test_chunk_custom_ops_run_without_autograd(family, output_final_state):
+    """Inference (validation, evaluation, a prompt's prefill): no saved tensors, so the custom op
+    returns several empty placeholders, which must be distinct tensors (a custom op's outputs may
+    not alias each other)."""
+    inputs = make_inputs(family, B=2, T=20, H=1, K=16, V=16, dtype=torch.float32, device=DEVICE,
+                         requires_grad=False, seed=7)
+    names = ("r", "w", "k", "v", "a", "b") if family == "rwkv7" else ("r", "k", "v", "w", "u")
+    op = ops.chunk_rwkv7 if family == "rwkv7" else ops.chunk_rwkv6
+    args = tuple(inputs[n] for n in names)
+    o, ht = op(*args, output_final_state=output_final_state, backend="triton")
+    ref_o, ref_ht = op(*args, output_final_state=output_final_state, backend="torch")
+    torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-4)
+    assert (ht is None) == (ref_ht is None) == (not output_final_state)

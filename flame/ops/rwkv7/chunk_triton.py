@@ -1014,7 +1014,7 @@ def _chunk_rwkv7_fwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: to
     o, ht, _, hs, saved = _forward(r, w, k, v, a, b, scale, h0, output_final_state, None, gate_lower_bound,
                                    need_grad, False)
     empty = r.new_empty(_EMPTY, dtype=torch.float32)
-    return (o, ht if ht is not None else empty, hs if hs is not None else empty,
+    return (o, ht if ht is not None else empty, hs if hs is not None else empty.clone(),
             saved["Tm"] if saved is not None else empty.clone())
 
 

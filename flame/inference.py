@@ -1,0 +1,86 @@
+"""What `flame.generate` and `flame.eval` share: loading a trained model with its tokenizer onto a
+device, switching the ops' value checks off, and turning any failure into one line on stderr."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class InferenceError(ValueError):
+    """Bad command-line input: a missing model folder, an empty prompt, an out-of-range setting."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto": CUDA when available, else CPU; otherwise the named device, which must exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise InferenceError(f"--device {name!r} is not a device name ({err})") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InferenceError(f"--device {name} asks for CUDA, which this machine does not have")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on CUDA (the dtype the models train in), float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise InferenceError(f"--dtype must be auto, {' or '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_for_inference(model_dir: str, device: torch.device, dtype: torch.dtype):
+    """(model in eval mode on `device` in `dtype`, its Tokenizer) from a trained model's folder:
+    an exported Hugging Face folder, or a run's dump folder, checkpoint folder or step folder
+    (read by flame.export.checkpoint_reader.load_model, whose result starts with the model and
+    ends with the tokenizer's path)."""
+    if not Path(model_dir).exists():
+        raise InferenceError(f"model folder {model_dir} does not exist")
+    from flame.data.tokenizer import load_tokenizer
+    from flame.export.checkpoint_reader import load_model
+
+    loaded = load_model(model_dir)
+    model, tokenizer_path = loaded[0], loaded[-1]
+    tokenizer = load_tokenizer(str(tokenizer_path or ""))
+    tokenizer.check_vocab_size(model.vocab_size)
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+@contextmanager
+def value_checks_off():
+    """The ops' value checks cost a device sync per op call, which would stall every decoding step;
+    inference runs a trained model whose decays are valid by construction."""
+    from flame.ops.checks import set_value_checks, value_checks_enabled
+
+    previous = value_checks_enabled()
+    set_value_checks(False)
+    try:
+        yield
+    finally:
+        set_value_checks(previous)
+
+
+def run_command(name: str, main, argv: list[str] | None) -> int:
+    """Run a CLI's `main(argv)`; any exception becomes `name: error: <its first line>` on stderr and
+    exit code 1 (2 for argparse's own usage errors, which print themselves)."""
+    try:
+        main(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    except KeyboardInterrupt:
+        print(f"\n{name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - a command-line user gets one line, not a traceback
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{name}: error: {message}", file=sys.stderr)
+        return 1
+    return 0

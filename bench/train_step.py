@@ -17,7 +17,10 @@ Per family and library it reports:
 - peak memory: `torch.cuda.max_memory_allocated` over the run;
 - GPU ms per step by kind (matmul, attention kernels, loss, optimizer, other kernels) from a
   torch.profiler trace of `--profile-steps` steps, and the host-bound time: wall time per profiled
-  step minus the time the GPU was busy (the union of kernel intervals).
+  step minus the time the GPU was busy (the union of kernel intervals);
+- the number of graphs torch.compile built and whether Dynamo hit a recompile limit (the calls past
+  it run eager), and the Python lines where one step makes the host wait for the GPU (one is the
+  trainer's own, for the loss and grad norm).
 
 Each (family, library) runs in its own process so that one failure does not stop the others and
 memory starts clean. Results print as a table and go to `--out` (JSON) when given.
@@ -114,8 +117,25 @@ def fla_model_factory(family: str):
     return build
 
 
+def host_syncs_of(step) -> list[str]:
+    """Where one call of `step` makes the host wait for the GPU (torch's sync debug mode): the Python
+    line of each synchronizing operation. The trainer's one intended sync per step is among them."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
 def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int,
-              overrides: list[str], host_top: int = 0) -> dict:
+              overrides: list[str], host_top: int = 0, trace: str | None = None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -165,10 +185,20 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
             host_profile = text.getvalue()
         first_step_s = times[0]
         timed = times[warmup:]
+        # compiled graphs so far (0 when eager) and whether Dynamo gave up on a function (a
+        # recompile limit hit leaves the calls past it eager)
+        from torch._dynamo.utils import counters
+
+        graphs = int(counters["stats"].get("unique_graphs", 0))
+        recompile_limit_hits = sum(v for k, v in counters["stats"].items() if "limit" in k)
+        syncs = host_syncs_of(step)
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = sum(step() for _ in range(profile_steps))
         peak = torch.cuda.max_memory_allocated() / 2**30
+        if trace:
+            Path(trace).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(trace) / f"{family}_{lib}.json"))
 
         attention = triton_kernel_names(("flame.ops.rwkv", "flame.ops.gsa", "flame.ops.common",
                                          "fla.ops"))
@@ -189,6 +219,8 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:30]
         return {
             "family": family, "lib": lib, "compile": cfg.training.compile,
+            "compiled_graphs": graphs, "recompile_limit_hits": recompile_limit_hits,
+            "host_syncs_per_step": syncs,
             "tokens_per_s": tokens_per_step / statistics.median(timed),
             "tokens_per_s_all": [tokens_per_step / t for t in timed],
             "first_step_s": first_step_s,
@@ -223,6 +255,8 @@ def main() -> int:
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also profile the host side of the timed steps (cProfile): the N functions "
                              "with the most own time (the timed tokens/s then include its overhead)")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="also write the profiled steps' chrome trace, DIR/<family>_<lib>.json")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per (family, library) run")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -231,7 +265,7 @@ def main() -> int:
     if args.child:
         family, lib, out = args.child.split(":", 2)
         result = run_child(family, lib, args.steps, args.warmup, args.profile_steps, overrides,
-                           args.host_profile)
+                           args.host_profile, args.trace)
         Path(out).write_text(json.dumps(result))
         return 0
 
@@ -245,7 +279,8 @@ def main() -> int:
                 out = tmp.name
             cmd = [sys.executable, __file__, "--child", f"{family}:{lib}:{out}", "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
-                   "--host-profile", str(args.host_profile), "--", *overrides]
+                   "--host-profile", str(args.host_profile), *(["--trace", args.trace] if args.trace else []),
+                   "--", *overrides]
             print(f"=== {family} / {lib}: {' '.join(cmd[2:])}", flush=True)
             start = time.monotonic()
             try:

@@ -153,7 +153,8 @@ class Trainer:
         `model_factory(cfg.model)`: builds the model in place of `flame.models.build_model` (it runs
         under the meta device and gets the same parallelisation, initialisation, loss and optimizer);
         the model follows `flame.models.CausalLM`'s contract: `layers`, `init_weights()`,
-        `num_flops_per_token(seq_len)` and the forward's signature."""
+        `num_flops_per_token(seq_len)` and the forward's signature (logits without labels; with
+        `labels=` and `loss_scale=`, the scaled CE sum over valid tokens, the training loss)."""
         from flame.config import to_toml
         from flame.data import load_tokenizer
 

@@ -179,7 +179,8 @@ def test_bad_inputs_raise_one_line_errors():
 
 def test_default_chunk_keeps_fp32_logits_within_one_gib():
     rows = default_chunk_rows(32000)
-    assert 4096 <= rows and rows * 32000 * 4 <= 2 ** 30
+    assert rows == 8192 and rows * 32000 * 4 <= 2 ** 30
+    assert default_chunk_rows(2 ** 22) * 2 ** 22 * 4 <= 2 ** 30 and default_chunk_rows(2 ** 31) == 1
 
 
 # ---- the Triton row kernel (interpreter on CPU) -------------------------------------------------

@@ -67,3 +67,16 @@ def test_model_loss_matches_its_logits_and_l2wrap_follows_the_family_args():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="labels must have the shape of input_ids"):
         model(input_ids, labels=labels[:, :5])
+
+
+def test_validation_loss_is_the_token_mean_of_the_plain_ce(tmp_path):
+    cfg = tiny_config(tmp_path, metrics={"val_steps": 2})
+    trainer = Trainer(cfg, dataloader=())
+    input_ids, labels = random_batches(4, 16, seed=5)
+    labels[1, 4:] = -100
+    trainer.val_loader = split_rows(input_ids, labels, 2)
+    with torch.no_grad():
+        logits = trainer.model(input_ids)
+        want = cross_entropy_sum(logits, labels).item() / int((labels != -100).sum())
+    assert trainer.validation_loss() == pytest.approx(want, rel=1e-6)
+    assert trainer.model.training

@@ -19,12 +19,15 @@ from ..checks import value_checks_enabled
 from ..dtypes import autocast_off, to_compute_dtype
 from .rows_torch import IGNORE_INDEX, cross_entropy_rows_torch
 
-CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk: 8388 rows at V = 32000
+CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk at most: 8192 rows at V = 32000
 
 
 def default_chunk_rows(vocab: int) -> int:
-    """Rows per chunk such that the chunk's logits take at most CHUNK_BYTES in fp32."""
-    return max(1, CHUNK_BYTES // (4 * vocab))
+    """Rows per chunk such that the chunk's logits take at most CHUNK_BYTES in fp32, rounded down to
+    a multiple of 256 rows (whole matmul tiles; 8192 rows at V = 32000: 16384-token micro-batches
+    split into two equal chunks)."""
+    rows = max(1, CHUNK_BYTES // (4 * vocab))
+    return rows // 256 * 256 if rows >= 256 else rows
 
 
 def _check_inputs(hidden, weight, labels, scale, chunk_rows) -> None:

@@ -14,15 +14,21 @@ from torch import nn
 
 from flame.models.init import default_init_skipped
 from flame.models.state import LayerState
+from flame.ops.linear_cross_entropy import linear_cross_entropy
 from flame.models.token_shift import check_cu_seqlens
 
 
 class CausalLM(nn.Module):
-    """`model(input_ids [B, T], cu_seqlens=None) -> logits [B, T, vocab]`; for inference,
+    """`model(input_ids [B, T], cu_seqlens=None) -> logits [B, T, vocab]`;
+    `model(input_ids, cu_seqlens, labels=labels [B, T], loss_scale=s) -> s * (sum of the token
+    cross-entropies over labels != -100)`, a scalar, computed by the fused head
+    (`flame.ops.linear_cross_entropy`) without the full logits; for inference,
     `forward_with_state(input_ids, state) -> (logits, state)` continues from a recurrent state.
 
     Attributes used by the trainer: `embeddings`, `layers` (one block per layer, the unit of
-    sharding, checkpointing and compile), `norm`, `lm_head`.
+    sharding, checkpointing and compile), `norm`, `lm_head`. `l2wrap` (bool): the loss adds RWKV7's
+    L2Wrap term to the gradient (`flame.models.l2wrap`, normalised by `loss_scale`); set by the
+    family from its arguments, False unless the family uses it.
 
     Subclasses implement `_build_layers(args)`, `_build_norm(args)` and
     `_init_embeddings_and_head()`; blocks implement `init_weights()` and
@@ -41,6 +47,7 @@ class CausalLM(nn.Module):
         self.hidden_size = args.hidden_size
         self.num_layers = args.num_layers
         self.tie_word_embeddings = bool(args.tie_word_embeddings)
+        self.l2wrap = False
         with default_init_skipped():
             self.embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
             self.layers = nn.ModuleList(self._build_layers(args))
@@ -79,13 +86,24 @@ class CausalLM(nn.Module):
             x = layer(x, cu_seqlens=cu_seqlens)
         return x
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+                labels: torch.Tensor | None = None, loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """Logits [B, T, vocab]; with `labels` [B, T] (-100 = no label), the scalar fp32 loss
+        `loss_scale * CE sum`. The loss is computed here, inside the model's forward, so that a
+        wrapper such as FSDP has the head's weight gathered and takes its gradient back."""
         check_input_ids(input_ids)
+        if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
+            )
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1])
         x = self.embeddings(input_ids)
-        x = self._run_layers(x, cu_seqlens)
-        return self.lm_head(self.norm(x))
+        x = self.norm(self._run_layers(x, cu_seqlens))
+        if labels is None:
+            return self.lm_head(x)
+        return linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, labels.flatten(),
+                                    scale=loss_scale, l2wrap=self.l2wrap)
 
     def _run_layers_with_state(self, x: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
         for layer, state in zip(self.layers, states):

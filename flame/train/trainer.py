@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from flame.train.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState
-from flame.train.loss import IGNORE_INDEX, count_valid_tokens, cross_entropy_sum, micro_batch_loss
+from flame.train.loss import IGNORE_INDEX, count_valid_tokens
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger
 from flame.train.optimizer import build_optimizer
@@ -153,7 +153,8 @@ class Trainer:
         `model_factory(cfg.model)`: builds the model in place of `flame.models.build_model` (it runs
         under the meta device and gets the same parallelisation, initialisation, loss and optimizer);
         the model follows `flame.models.CausalLM`'s contract: `layers`, `init_weights()`,
-        `num_flops_per_token(seq_len)` and the forward's signature."""
+        `num_flops_per_token(seq_len)` and the forward's signature (logits without labels; with
+        `labels=` and `loss_scale=`, the scaled CE sum over valid tokens, the training loss)."""
         from flame.config import to_toml
         from flame.data import load_tokenizer
 
@@ -186,11 +187,6 @@ class Trainer:
 
         # 3. model: built on the meta device, parallelised, materialised, initialised
         self.model = self.build_model(model_factory)
-        self.l2wrap = None
-        if cfg.model.family == "rwkv7" and cfg.model.l2wrap:
-            from flame.models import l2wrap
-
-            self.l2wrap = l2wrap
 
         # 4. optimizer, LR schedule, checkpoints (and a resume when there is one)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -341,19 +337,31 @@ class Trainer:
         valid_tokens = self.parallel.all_reduce_count(count_valid_tokens(micro_batches))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in micro_batches:
-            logits, labels = self.forward(batch)
-            loss = micro_batch_loss(logits, labels, max(valid_tokens, 1), self.l2wrap)
+            loss = self.loss(batch, 1.0 / max(valid_tokens, 1))
             loss.backward()
             loss_sum += loss.detach()
-            del logits, loss
+            del loss
         return loss_sum, valid_tokens
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def model_inputs(self, batch: dict[str, torch.Tensor]):
+        """(input_ids, labels, cu_seqlens or None) of a micro-batch, on the device."""
         input_ids = batch["input_ids"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
         cu_seqlens = batch.get("cu_seqlens")
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)
+        return input_ids, labels, cu_seqlens
+
+    def loss(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+        """`scale` * the micro-batch's CE sum over its valid tokens, from the model's fused head
+        (the full logits are never held; RWKV7's L2Wrap, when the model has it, is in the gradient)."""
+        input_ids, labels, cu_seqlens = self.model_inputs(batch)
+        return self.model(input_ids, cu_seqlens=cu_seqlens, labels=labels, loss_scale=scale)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, labels) of a micro-batch: the plain head, for the non-finite search, whose
+        hooks then see the head's output too."""
+        input_ids, labels, cu_seqlens = self.model_inputs(batch)
         return self.model(input_ids, cu_seqlens=cu_seqlens), labels
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
@@ -481,9 +489,8 @@ class Trainer:
                 batches = iter(self.val_loader)
                 batch = next(batches)
             with op_value_checks_off():
-                logits, labels = self.forward(batch)
-            totals[0] += cross_entropy_sum(logits, labels).double()
-            totals[1] += (labels != IGNORE_INDEX).sum()
+                totals[0] += self.loss(batch, 1.0).double()
+            totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
         self.model.train()
         ce_sum, count = self.parallel.all_reduce_sum(totals).tolist()
         return ce_sum / max(count, 1.0)

@@ -69,7 +69,7 @@ class FlameForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _tied_weights_keys = {"model.lm_head.weight": "model.embeddings.weight"}
     _supports_cache_class = False
-    _is_stateful = True
+    _is_stateful = True  # a recurrent model: transformers refuses assisted decoding, which crops caches
 
     def __init__(self, config: FlameConfig):
         super().__init__(config)

@@ -9,6 +9,7 @@ it, so the reader holds exactly one copy of the weights whatever the number of s
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 
 from flame.train.checkpoint import COMPLETE_MARKER, STEP_DIR
+
+logger = logging.getLogger("flame.export")
 
 MODEL_KEY = "model"
 """The checkpoint entry (see flame.train.checkpoint) that holds the model's state dict."""
@@ -176,6 +179,19 @@ def _first_line(err: BaseException) -> str:
 
 # ---- a model from weights ---------------------------------------------------------------------
 
+def untie_if_different(model_args, state_dict: dict[str, torch.Tensor]):
+    """`model_args`, with tie_word_embeddings turned off when the weights hold a head that differs
+    from the embedding (a tied config whose head was trained apart): the weights decide, so the
+    model computes what was trained."""
+    head, embedding = state_dict.get("lm_head.weight"), state_dict.get("embeddings.weight")
+    if model_args.tie_word_embeddings and head is not None and embedding is not None \
+            and not torch.equal(head, embedding):
+        logger.warning("the config ties the head to the embedding but the weights hold a different "
+                       "head: keeping it (tie_word_embeddings = false)")
+        return replace(model_args, tie_word_embeddings=False)
+    return model_args
+
+
 def build_with_weights(model_args, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
                        device: str | torch.device = "cpu"):
     """flame's model of `model_args` holding `state_dict` (flame names) without a second copy of
@@ -227,6 +243,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         run = read_run_checkpoint(path, step)
         model_args, tokenizer = run.model_args, run.tokenizer
         state_dict = read_model_state_dict(run.step_dir, dtype)
+    model_args = untie_if_different(model_args, state_dict)
     model_args = replace(model_args, backend=backend, cache_intermediates=False)
     return build_with_weights(model_args, state_dict, dtype, device), model_args, tokenizer
 

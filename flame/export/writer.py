@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from flame.export import fla, rwkv
-from flame.export.checkpoint_reader import ExportError, read_model_state_dict, read_run_checkpoint
+from flame.export.checkpoint_reader import (
+    ExportError,
+    read_model_state_dict,
+    read_run_checkpoint,
+    untie_if_different,
+)
 from flame.export.formats import CONFIG_JSON, SAFETENSORS_FILE, SAFETENSORS_INDEX, HF_PREFIX
 
 FORMATS = ("hf", "fla", "rwkv")
@@ -57,6 +62,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
         raise ExportError(f"the RWKV-LM format holds RWKV6 and RWKV7 models only; {run.step_dir} is {family}")
     tokens = None if fmt == "rwkv" else token_ids(run.tokenizer)
     state = read_model_state_dict(run.step_dir, dtype)
+    run.model_args = untie_if_different(run.model_args, state)
+    new_parents = [p for p in out.absolute().parents if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     _remove(tmp)
@@ -84,6 +91,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
         os.replace(tmp, out)
     except BaseException:
         _remove(tmp)
+        for parent in new_parents:  # innermost first: the folders this export created
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
         raise
     return out
 
@@ -112,7 +122,7 @@ def write_hf_config(folder: Path, model_args, tokens: dict, dtype: torch.dtype) 
     config = FlameConfig(**asdict(model_args), **tokens["ids"])
     config.architectures = ["FlameForCausalLM"]
     config.auto_map = dict(AUTO_MAP)
-    config.dtype = dtype
+    config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(str(folder))
     (folder / MODELING_FILE).write_text(MODELING_SOURCE)
 

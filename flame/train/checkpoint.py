@@ -229,6 +229,11 @@ def load_exported_weights(model: torch.nn.Module, path: str | Path, family: str)
         check_state_dict(expected, state, tied_head=tied, source=str(path))
     except ExportError as err:
         raise CheckpointError(f"checkpoint.initial_load_path: {err}") from err
+    if tied and "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["embeddings.weight"]):
+        raise CheckpointError(
+            f"checkpoint.initial_load_path: {path} holds a head (lm_head.weight) that differs from "
+            f"its embedding, but this run ties them (model.tie_word_embeddings = true)"
+        )
     if tied and "lm_head.weight" in expected:
         state["lm_head.weight"] = state["embeddings.weight"]
     state = {name: state[name].to(expected[name].dtype) for name in expected}

@@ -206,6 +206,59 @@ def test_import_of_another_familys_pth_is_refused(runs, tmp_path):
         Trainer(cfg, dataloader=[])
 
 
+def test_import_needs_model_only(runs, tmp_path):
+    from flame.train.trainer import Trainer
+
+    cfg = run_config("gsa", tmp_path / "full", runs["tokenizer"],
+                     checkpoint={"enable": False, "initial_load_model_only": False,
+                                 "initial_load_path": str(out_path(runs["root"], "gsa", "hf"))})
+    with pytest.raises(CheckpointError, match="holds model weights only.*initial_load_model_only = true"):
+        Trainer(cfg, dataloader=[])
+
+
+def test_tied_embeddings(runs, tmp_path):
+    """A tied head is not written to hf (the loader ties it). A config that ties the head over
+    weights whose head differs from the embedding exports untied (the weights decide), and such
+    weights are refused by a run that ties."""
+    from flame.train.trainer import Trainer
+
+    trainer = train_run("gsa", tmp_path / "tied", runs["tokenizer"], model={"tie_word_embeddings": True})
+    trained = trainer.model.state_dict()
+    ids = sample_ids()
+    trainer.model.eval()
+    with torch.no_grad():
+        want = trainer.model(ids)
+    assert export(tmp_path / "tied", tmp_path / "tied-hf") == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tied-hf", trust_remote_code=True)
+    untied = not torch.equal(trained["lm_head.weight"], trained["embeddings.weight"])
+    assert hf_model.config.tie_word_embeddings is not untied
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, want, rtol=1e-5, atol=1e-6)
+    # truly tied weights: the head is the embedding, written once, tied again when loaded
+    tied_state = {k: v for k, v in trained.items() if k != "lm_head.weight"}
+    from flame.export.hf import FlameConfig, FlameForCausalLM
+    from flame.export.writer import write_safetensors
+
+    config = FlameConfig(**{**hf_model.config.to_dict(), "tie_word_embeddings": True})
+    folder = tmp_path / "truly-tied"
+    folder.mkdir()
+    config.save_pretrained(folder)
+    write_safetensors({"model." + k: v for k, v in tied_state.items()}, folder, "5GB")
+    loaded = FlameForCausalLM.from_pretrained(folder)
+    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.embeddings.weight.data_ptr()
+    cfg = run_config("gsa", tmp_path / "continued", runs["tokenizer"], model={"tie_word_embeddings": True},
+                     checkpoint={"enable": False, "initial_load_path": str(folder)})
+    continued = Trainer(cfg, dataloader=[]).model.state_dict()
+    for name, value in tied_state.items():
+        assert torch.equal(continued[name], value), name
+    assert torch.equal(continued["lm_head.weight"], tied_state["embeddings.weight"])
+    if untied:
+        cfg = run_config("gsa", tmp_path / "refused", runs["tokenizer"], model={"tie_word_embeddings": True},
+                         checkpoint={"enable": False, "initial_load_path": str(tmp_path / "tied-hf")})
+        with pytest.raises(CheckpointError, match="differs from its embedding"):
+            Trainer(cfg, dataloader=[])
+
+
 def test_load_model_reads_every_export(runs):
     ids = sample_ids()
     for family, fmt in ROUND_TRIPS:
@@ -469,9 +522,9 @@ def test_checkpoint_without_complete_marker(runs, tmp_path, capsys):
 
 
 def test_missing_step(runs, tmp_path, capsys):
-    code, err = run_export(capsys, runs["root"] / "rwkv7", tmp_path / "out", "--step", "7")
+    code, err = run_export(capsys, runs["root"] / "rwkv7", tmp_path / "new" / "out", "--step", "7")
     assert code == 1 and "\n" not in err and "no checkpoint of step 7" in err and f"[{STEPS}]" in err
-    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_existing_output_needs_overwrite(runs, tmp_path, capsys):

@@ -220,13 +220,13 @@ def check_state_dict(expected: dict[str, torch.Tensor], given: dict[str, torch.T
         if name not in given:
             if tied_head and name == "lm_head.weight":
                 continue
-            raise ExportError(f"{source} have no tensor {name} (shape {tuple(tensor.shape)} in the model)")
+            raise ExportError(f"{source}: no tensor {name} (shape {tuple(tensor.shape)} in the model)")
         if tuple(given[name].shape) != tuple(tensor.shape):
             raise ExportError(f"tensor {name} has shape {tuple(given[name].shape)} in {source} but "
                               f"{tuple(tensor.shape)} in the model")
     for name in given:
         if name not in expected:
-            raise ExportError(f"{source} hold a tensor {name} that the model does not have")
+            raise ExportError(f"{source}: tensor {name} (shape {tuple(given[name].shape)}) is not in the model")
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

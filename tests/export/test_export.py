@@ -197,6 +197,18 @@ def test_import_shape_mismatch_names_the_tensor_and_both_shapes(runs, tmp_path):
     assert "layers.0.attn.g1 has shape (64, 32)" in message and "(64, 48) in the model" in message
 
 
+def test_import_of_a_pth_missing_a_tensor_names_it(runs, tmp_path):
+    from flame.train.trainer import Trainer
+
+    weights = torch.load(out_path(runs["root"], "rwkv7", "rwkv"), weights_only=True)
+    del weights["blocks.1.att.w0"]
+    torch.save(weights, tmp_path / "partial.pth")
+    cfg = run_config("rwkv7", tmp_path / "run", runs["tokenizer"],
+                     checkpoint={"enable": False, "initial_load_path": str(tmp_path / "partial.pth")})
+    with pytest.raises(CheckpointError, match=r"partial.pth: no tensor layers.1.attn.w0 \(shape \(64,\) in the model\)$"):
+        Trainer(cfg, dataloader=[])
+
+
 def test_import_of_another_familys_pth_is_refused(runs, tmp_path):
     from flame.train.trainer import Trainer
 

@@ -197,7 +197,8 @@ class Checkpoint:
     load_step: int = field(default=-1, metadata={"ge": -1})
     """Resume from this step; -1 picks the latest complete checkpoint."""
     initial_load_path: str = ""
-    """Start a new run from this checkpoint folder."""
+    """Start a new run from this checkpoint folder, or from the model weights of an exported hf/fla
+    folder or an RWKV-LM .pth (python -m flame.export writes them)."""
     initial_load_model_only: bool = True
     """With initial_load_path: load only the model weights."""
 

@@ -22,7 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flame.train.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState
+from flame.train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    load_exported_weights,
+)
 from flame.train.loss import IGNORE_INDEX, count_valid_tokens
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger
@@ -571,7 +577,17 @@ class Trainer:
         if step is not None:
             self.load_full_checkpoint(self.checkpointer.step_dir(step))
         elif ckpt.initial_load_path:
-            if ckpt.initial_load_model_only:
+            from flame.export.formats import is_foreign_weights
+
+            if is_foreign_weights(ckpt.initial_load_path):
+                if not ckpt.initial_load_model_only:
+                    raise CheckpointError(
+                        f"checkpoint.initial_load_path {ckpt.initial_load_path} holds model weights "
+                        f"only (an exported folder or an RWKV-LM .pth): set "
+                        f"checkpoint.initial_load_model_only = true"
+                    )
+                load_exported_weights(self.model, ckpt.initial_load_path, self.cfg.model.family)
+            elif ckpt.initial_load_model_only:
                 self.checkpointer.load(ckpt.initial_load_path, self.checkpoint_state(model_only=True))
                 logger.info("model: weights loaded from %s (model only, a new run)",
                             ckpt.initial_load_path)

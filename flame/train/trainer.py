@@ -263,7 +263,14 @@ class Trainer:
         with torch.device("meta"):
             model = (model_factory or build_model)(self.cfg.model)
         model = parallelize(model, self.cfg, self.parallel)
-        model.to_empty(device=self.device)
+        # materialise in place (swap each parameter's contents, keep the Parameter objects), so that a
+        # tied head and embedding stay one parameter; a plain to_empty gives each module a new one
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.to_empty(device=self.device)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
         torch.manual_seed(self.cfg.job.seed)  # the same full init on every rank and any sharding
         with torch.no_grad():
             model.init_weights()

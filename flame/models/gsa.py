@@ -20,6 +20,7 @@ from torch import nn
 
 from flame.models import init
 from flame.models.causal_lm import CausalLM
+from flame.models.precision import RMSNorm
 from flame.models.state import LayerState
 from flame import ops
 
@@ -128,9 +129,9 @@ class GSABlock(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
         C, eps = args.hidden_size, args.norm_eps
-        self.attn_norm = nn.RMSNorm(C, eps=eps)
+        self.attn_norm = RMSNorm(C, eps=eps)
         self.attn = GSAAttention(args, layer_id)
-        self.mlp_norm = nn.RMSNorm(C, eps=eps)
+        self.mlp_norm = RMSNorm(C, eps=eps)
         self.mlp = GSAMLP(args, layer_id)
 
     @torch.no_grad()
@@ -154,7 +155,7 @@ class GSAForCausalLM(CausalLM):
         return [GSABlock(args, i) for i in range(args.num_layers)]
 
     def _build_norm(self, args) -> nn.Module:
-        return nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
+        return RMSNorm(args.hidden_size, eps=args.norm_eps)
 
     def _init_embeddings_and_head(self) -> None:
         init.normal_(self.embeddings.weight, INIT_STD)

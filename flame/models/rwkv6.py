@@ -22,6 +22,7 @@ from torch import nn
 
 from flame.models import init
 from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, vector_param
+from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
 from flame.models.token_shift import token_shift
 from flame import ops
@@ -65,7 +66,7 @@ class RWKV6Attention(nn.Module):
         self.value = nn.Linear(C, C, bias=False)
         self.gate = nn.Linear(C, C, bias=False)
         self.output = nn.Linear(C, C, bias=False)
-        self.ln_x = nn.GroupNorm(self.num_heads, C, eps=1e-5 * HEAD_SIZE_DIVISOR**2)
+        self.ln_x = GroupNorm(self.num_heads, C, eps=1e-5 * HEAD_SIZE_DIVISOR**2)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -103,20 +104,20 @@ class RWKV6Attention(nn.Module):
         H, N = self.num_heads, self.head_dim
         shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "attn_shift")
         delta = shifted - x
-        xi = torch.tanh(torch.addcmul(x, delta, self.mu_x) @ self.mix_w1)
+        xi = torch.tanh(torch.addcmul(x, delta, like(self.mu_x, x)) @ self.mix_w1)
         xi = xi.view(B * T, MIX_BRANCHES, self.mix_rank).transpose(0, 1)
         m_w, m_k, m_v, m_r, m_g = torch.bmm(xi, self.mix_w2).view(MIX_BRANCHES, B, T, C).unbind(0)
-        xw = torch.addcmul(x, delta, self.mu_w + m_w)
-        xk = torch.addcmul(x, delta, self.mu_k + m_k)
-        xv = torch.addcmul(x, delta, self.mu_v + m_v)
-        xr = torch.addcmul(x, delta, self.mu_r + m_r)
-        xg = torch.addcmul(x, delta, self.mu_g + m_g)
+        xw = torch.addcmul(x, delta, like(self.mu_w, x) + m_w)
+        xk = torch.addcmul(x, delta, like(self.mu_k, x) + m_k)
+        xv = torch.addcmul(x, delta, like(self.mu_v, x) + m_v)
+        xr = torch.addcmul(x, delta, like(self.mu_r, x) + m_r)
+        xg = torch.addcmul(x, delta, like(self.mu_g, x) + m_g)
 
         r = self.receptance(xr).view(B, T, H, N)
         k = self.key(xk).view(B, T, H, N)
         v = self.value(xv).view(B, T, H, N)
         g = F.silu(self.gate(xg))
-        w = -torch.exp(self.time_decay + torch.tanh(xw @ self.decay_w1) @ self.decay_w2).view(B, T, H, N)
+        w = -torch.exp(like(self.time_decay, x) + torch.tanh(xw @ self.decay_w1) @ self.decay_w2).view(B, T, H, N)
         if state is None:
             o, _ = ops.chunk_rwkv6(r, k, v, w, self.bonus, scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend)
         else:
@@ -159,8 +160,8 @@ class RWKV6FeedForward(nn.Module):
                 state: LayerState | None = None) -> torch.Tensor:
         shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "ffn_shift")
         delta = shifted - x
-        k = torch.relu(self.key(torch.addcmul(x, delta, self.mu_k))).square()
-        return torch.sigmoid(self.receptance(torch.addcmul(x, delta, self.mu_r))) * self.value(k)
+        k = torch.relu(self.key(torch.addcmul(x, delta, like(self.mu_k, x)))).square()
+        return torch.sigmoid(self.receptance(torch.addcmul(x, delta, like(self.mu_r, x)))) * self.value(k)
 
 
 class RWKV6Block(RWKVBlock):

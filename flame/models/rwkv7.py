@@ -25,6 +25,7 @@ from torch import nn
 
 from flame.models import init
 from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, vector_param
+from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
 from flame.models.token_shift import token_shift
 from flame import ops
@@ -64,7 +65,7 @@ class RWKV7Attention(nn.Module):
         self.g1, self.g2 = matrix_param(C, rank_g), matrix_param(rank_g, C)
         self.k_k, self.k_a = vector_param(C), vector_param(C)
         self.r_k = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
-        self.ln_x = nn.GroupNorm(self.num_heads, C, eps=self.head_dim * 1e-5)
+        self.ln_x = GroupNorm(self.num_heads, C, eps=self.head_dim * 1e-5)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -106,11 +107,12 @@ class RWKV7Attention(nn.Module):
         shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "attn_shift")
         delta = shifted - x
         xr, xw, xk, xv, xa, xg = (
-            torch.addcmul(x, delta, mu) for mu in (self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g)
+            torch.addcmul(x, delta, like(mu, x))
+            for mu in (self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g)
         )
 
         r = self.receptance(xr)
-        w = -DECAY_BOUND * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)
+        w = -DECAY_BOUND * torch.sigmoid(like(self.w0, x) + torch.tanh(xw @ self.w1) @ self.w2)
         k = self.key(xk)
         v = self.value(xv)
         if self.defines_v_first:
@@ -119,12 +121,12 @@ class RWKV7Attention(nn.Module):
             if v_first is None:
                 raise ValueError(f"RWKV7 layer {self.layer_id} needs v_first from layer 0")
             # v + (v_first - v) * gate rather than torch.lerp, which refuses mixed dtypes under autocast
-            v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
-        a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
+            v = v + (v_first - v) * torch.sigmoid(like(self.v0, x) + (xv @ self.v1) @ self.v2)
+        a = torch.sigmoid(like(self.a0, x) + (xa @ self.a1) @ self.a2)
         g = torch.sigmoid(xg @ self.g1) @ self.g2
 
-        kappa = F.normalize((k * self.k_k).view(B, T, H, N), p=2.0, dim=-1)
-        k = k * (1 + (a - 1) * self.k_a)
+        kappa = F.normalize((k * like(self.k_k, k)).view(B, T, H, N), p=2.0, dim=-1).to(k.dtype)
+        k = k * (1 + (a - 1) * like(self.k_a, k))
         r, w, k, v, a = (t.view(B, T, H, N) for t in (r, w, k, v, a))
         if state is None:
             o, _ = ops.chunk_rwkv7(
@@ -136,7 +138,7 @@ class RWKV7Attention(nn.Module):
             o = state.attend(ops.chunk_rwkv7, ops.fused_recurrent_rwkv7, r, w, k, v, -kappa, kappa * a,
                              scale=1.0, backend=self.backend, gate_lower_bound=-DECAY_BOUND)
         o = self.ln_x(o.reshape(B * T, C)).view(B, T, H, N)
-        o = o + (r * k * self.r_k).sum(dim=-1, keepdim=True) * v
+        o = o + (r * k * like(self.r_k, r)).sum(dim=-1, keepdim=True) * v
         return self.output(o.reshape(B, T, C) * g), v_first
 
     def state_flops_per_token(self) -> int:
@@ -169,7 +171,7 @@ class RWKV7FeedForward(nn.Module):
                 state: LayerState | None = None) -> torch.Tensor:
         shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "ffn_shift")
         delta = shifted - x
-        return self.value(torch.relu(self.key(torch.addcmul(x, delta, self.mu_k))).square())
+        return self.value(torch.relu(self.key(torch.addcmul(x, delta, like(self.mu_k, x)))).square())
 
 
 class RWKV7Block(RWKVBlock):

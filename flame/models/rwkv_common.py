@@ -11,6 +11,7 @@ from torch import nn
 
 from flame.models import init
 from flame.models.causal_lm import CausalLM
+from flame.models.precision import LayerNorm
 
 
 def rwkv_heads(args) -> tuple[int, int]:
@@ -45,10 +46,10 @@ class RWKVBlock(nn.Module):
         self.is_first = layer_id == 0
         C, eps = args.hidden_size, args.norm_eps
         if layer_id == 0:
-            self.pre_norm = nn.LayerNorm(C, eps=eps)
-        self.attn_norm = nn.LayerNorm(C, eps=eps)
+            self.pre_norm = LayerNorm(C, eps=eps)
+        self.attn_norm = LayerNorm(C, eps=eps)
         self.attn = attn
-        self.ffn_norm = nn.LayerNorm(C, eps=eps)
+        self.ffn_norm = LayerNorm(C, eps=eps)
         self.ffn = ffn
 
     @torch.no_grad()
@@ -68,7 +69,7 @@ class RWKVCausalLM(CausalLM):
     """The RWKV language model: LayerNorm final norm; the family builds its blocks."""
 
     def _build_norm(self, args) -> nn.Module:
-        return nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        return LayerNorm(args.hidden_size, eps=args.norm_eps)
 
     def _init_embeddings_and_head(self) -> None:
         """Official RWKV: embeddings U(+-1e-4); head orthogonal with gain 0.5 sqrt(vocab / C) when

@@ -34,7 +34,7 @@ from flame.train.loss import IGNORE_INDEX, count_valid_tokens
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger
 from flame.train.optimizer import build_optimizer
-from flame.train.parallel import ParallelState, parallelize, setup_parallel
+from flame.train.parallel import ParallelState, autocast, parallelize, setup_parallel
 
 logger = logging.getLogger("flame.train")
 
@@ -198,7 +198,7 @@ class Trainer:
 
         # 3. model: built on the meta device, parallelised, materialised, initialised
         self.model = self.build_model(model_factory)
-        self.fsdp_one_unit = self.parallel.fsdp_one_unit
+        self.autocast = autocast(cfg, self.parallel)
 
         # 4. optimizer, LR schedule, checkpoints (and a resume when there is one)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -387,18 +387,11 @@ class Trainer:
 
         Returns (this rank's share of the step loss, as a device tensor; the step's valid-token
         count over all micro-batches and ranks). That count is known before the first forward, so
-        each micro-batch divides its CE sum by it. When the whole model is one FSDP unit (one
-        data-parallel rank), the micro-batches before the last keep the gathered weights and
-        accumulate unsharded fp32 gradients, so the step gathers and reduces once.
+        each micro-batch divides its CE sum by it.
         """
         valid_tokens = self.parallel.all_reduce_count(count_valid_tokens(micro_batches))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        one_unit = self.fsdp_one_unit
-        for index, batch in enumerate(micro_batches):
-            if one_unit:
-                last = index == len(micro_batches) - 1
-                self.model.set_requires_gradient_sync(last)
-                self.model.set_reshard_after_backward(last)
+        for batch in micro_batches:
             loss = self.loss(batch, 1.0 / max(valid_tokens, 1))
             loss.backward()
             loss_sum += loss.detach()
@@ -418,13 +411,15 @@ class Trainer:
         """`scale` * the micro-batch's CE sum over its valid tokens, from the model's fused head
         (the full logits are never held; RWKV7's L2Wrap, when the model has it, is in the gradient)."""
         input_ids, labels, cu_seqlens = self.model_inputs(batch)
-        return self.model(input_ids, cu_seqlens=cu_seqlens, labels=labels, loss_scale=scale)
+        with self.autocast():
+            return self.model(input_ids, cu_seqlens=cu_seqlens, labels=labels, loss_scale=scale)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, labels) of a micro-batch: the plain head, for the non-finite search, whose
         hooks then see the head's output too."""
         input_ids, labels, cu_seqlens = self.model_inputs(batch)
-        return self.model(input_ids, cu_seqlens=cu_seqlens), labels
+        with self.autocast():
+            return self.model(input_ids, cu_seqlens=cu_seqlens), labels
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over `micro_batches`, this rank's share of the global batch, with
@@ -503,7 +498,7 @@ class Trainer:
                 found = first_nonfinite_module(self.model, lambda: self.forward(batch))
             if found is not None:
                 break
-        if self.parallel.distributed:
+        if self.parallel.fsdp:
             # the search may run before a queued update: the next forward gathers the new weights
             self.model.reshard()
         if not self.parallel.distributed or self.parallel.world_size == 1:

@@ -15,7 +15,7 @@ def first_step(tmp_path, mode):
     return trainer, loss, grads(trainer.model)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "elementwise"])
 def test_activation_checkpointing_keeps_loss_and_gradients(tmp_path, mode):
     _, loss_ref, grads_ref = first_step(tmp_path, "none")
     trainer, loss, grads_ac = first_step(tmp_path, mode)

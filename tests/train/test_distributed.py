@@ -231,25 +231,24 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
         assert record["module"].endswith("on rank 1"), record
 
 
-# ---- one process under torchrun: the whole model one FSDP unit ---------------------------------
+# ---- one process under torchrun: nothing to shard, no FSDP --------------------------------------
 
-def one_rank_fsdp_run(rank: int, dump: str) -> None:
+def one_rank_run(rank: int, dump: str) -> None:
     cfg = ga_config(dump, ga=4)
     cfg.optimizer.implementation = "fused"
     cfg.training.steps = STEPS
     batches = [batch for input_ids, labels in global_batches() for batch in split_rows(input_ids, labels, 2)]
     trainer = Trainer(cfg, dataloader=batches)
-    assert trainer.fsdp_one_unit
+    assert trainer.parallel.distributed and not trainer.parallel.fsdp
     trainer.train()
     torch.save({"losses": losses(trainer.dump_folder), "params": full_params(trainer.model)},
                os.path.join(dump, "one_rank.pt"))
 
 
-def test_one_rank_fsdp_with_gradient_accumulation_equals_plain_training(tmp_path):
-    """One FSDP unit keeps its gathered weights and unsharded gradients across the micro-batches
-    of a step (one gather and one reduction per step), and the loop queues steps ahead: the same
-    training as one process without torch.distributed."""
-    spawn(one_rank_fsdp_run, str(tmp_path / "fsdp"), world=1)
+def test_one_rank_under_torchrun_equals_plain_training(tmp_path):
+    """One data-parallel rank leaves the model unsharded, and the loop queues steps ahead: the
+    same training as one process without torch.distributed."""
+    spawn(one_rank_run, str(tmp_path / "fsdp"), world=1)
     fsdp = torch.load(tmp_path / "fsdp" / "one_rank.pt")
     cfg = ga_config(tmp_path / "plain", ga=4)
     cfg.optimizer.implementation = "fused"

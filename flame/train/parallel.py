@@ -11,6 +11,9 @@
   alone on one data-parallel rank) with the MixedPrecisionPolicy of the config and FSDP's own
   gradient averaging turned off: the loss is already normalised by the global valid-token count,
   so gradients are summed, not averaged.
+- Collectives time out: parallel.init_timeout_minutes until the first step is done, then
+  parallel.collective_timeout_minutes (`ParallelState.set_collective_timeout`), so that a rank
+  that died or hangs stops the others; `collective_failure` names the step in their error.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,6 +56,26 @@ class ParallelState:
         t = torch.tensor([count], dtype=torch.int64)
         dist.all_reduce(t)
         return int(t.item())
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """The largest of each integer over all ranks, on the host (gloo): no device sync."""
+        if not self.distributed or self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def set_collective_timeout(self, minutes: float) -> None:
+        """Make the collectives of the world group and of every mesh group time out after
+        `minutes` (gloo raises; NCCL's watchdog aborts the process)."""
+        if not self.distributed or self.world_size == 1:
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        meshes = self.parallel_dims.get_all_one_dimensional_meshes().values()
+        groups = [None] + [mesh.get_group() for mesh in meshes if mesh.size() > 1]
+        for group in groups:
+            _set_pg_timeout(timedelta(minutes=minutes), group)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a device tensor over all ranks (stays on the device, no host sync)."""
@@ -87,7 +111,8 @@ def setup_parallel(cfg, device: torch.device) -> ParallelState:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend,
+                                timeout=timedelta(minutes=cfg.parallel.init_timeout_minutes))
 
     # size-1 mesh axes use the "fake" backend, which this import registers
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
@@ -111,9 +136,40 @@ def setup_parallel(cfg, device: torch.device) -> ParallelState:
     batch_mesh = parallel_dims.get_optional_mesh("batch")
     dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
     dp_world_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
-    return ParallelState(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                         dp_rank=dp_rank, dp_world_size=dp_world_size,
-                         parallel_dims=parallel_dims)
+    state = ParallelState(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
+                          dp_rank=dp_rank, dp_world_size=dp_world_size,
+                          parallel_dims=parallel_dims)
+    state.set_collective_timeout(par.init_timeout_minutes)  # the mesh groups got torch's default
+    return state
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed or timed out: another rank died or hangs."""
+
+
+COLLECTIVE_ERROR_MARKERS = ("gloo", "NCCL", "nccl", "Timed out", "timed out", "Connection reset",
+                            "Connection closed", "ProcessGroup")
+
+
+def collective_failure(err: BaseException, state: ParallelState, last_step: int,
+                       cfg_parallel) -> CollectiveFailure | None:
+    """`err` restated with the step and the likely cause when it is a failed collective of a
+    multi-rank run; None for any other error."""
+    if not state.distributed or state.world_size == 1:
+        return None
+    text = str(err).strip()
+    if not isinstance(err, dist.DistError) and not (
+            type(err) is RuntimeError and any(marker in text for marker in COLLECTIVE_ERROR_MARKERS)):
+        return None
+    first_line = text.splitlines()[0][:400] if text else type(err).__name__
+    return CollectiveFailure(
+        f"rank {state.rank}: a collective failed after step {last_step} (the last step this rank "
+        f"finished): {first_line}. Another rank died or hangs (collectives time out after "
+        f"parallel.init_timeout_minutes = {cfg_parallel.init_timeout_minutes:g} min until the "
+        f"first step is done, parallel.collective_timeout_minutes = "
+        f"{cfg_parallel.collective_timeout_minutes:g} min after it); a restart resumes from the "
+        f"last complete checkpoint"
+    )
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

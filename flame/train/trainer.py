@@ -5,6 +5,12 @@ model, optimizer, LR schedule and checkpointer, resume if there is something to 
 One optimizer step = `gradient_accumulation_steps` micro-batches on each data-parallel rank; its
 objective is the token-mean cross-entropy over every valid token of the step, on all ranks (see
 `flame.train.loss`).
+
+Preemption safety lives in its own modules and meets the loop at a few marked places: the
+dump-folder lock (`flame.train.run_lock`, taken in `__init__`), the stop signals and the per-step
+boundary decision (`flame.train.preemption`), the collective-failure message
+(`flame.train.parallel.collective_failure`) and the test-only fault hooks
+(`flame.train.fault_injection`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flame.train import fault_injection
 from flame.train.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -33,7 +40,9 @@ from flame.train.loss import IGNORE_INDEX, count_valid_tokens
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger
 from flame.train.optimizer import build_optimizer
-from flame.train.parallel import ParallelState, parallelize, setup_parallel
+from flame.train.parallel import ParallelState, collective_failure, parallelize, setup_parallel
+from flame.train.preemption import Preempted, StepBoundary, StopSignals
+from flame.train.run_lock import RunLock, lock_dump_folder
 
 logger = logging.getLogger("flame.train")
 
@@ -174,6 +183,9 @@ class Trainer:
         setup_logging(self.rank)
         self.seed_everything()
         self.dump_folder = Path(cfg.job.dump_folder)
+        # preemption safety: one run per dump folder (rank 0 holds the lock; a refusal stops all)
+        self.run_lock = RunLock(self.dump_folder, cfg.job.name, force=cfg.job.force_unlock)
+        lock_dump_folder(self.run_lock, self.parallel)
         if self.rank == 0:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(cfg))
@@ -293,7 +305,10 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
 
     def train(self, stop_at_step: int | None = None) -> TrainState:
-        """Run the step loop to training.steps (or to `stop_at_step`, as if killed there)."""
+        """Run the step loop to training.steps (or to `stop_at_step`, as if killed there).
+
+        A stop signal (training.stop_signals) on any rank ends it at the next step boundary, the
+        same step on every rank, after a checkpoint there: `Preempted` is raised."""
         cfg = self.cfg
         total_steps = cfg.training.steps
         last_step = total_steps if stop_at_step is None else min(stop_at_step, total_steps)
@@ -305,6 +320,13 @@ class Trainer:
             cfg.training.seq_len,
         )
         window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+        # preemption safety: the folder lock, stop signals, the boundary decision, test faults
+        lock_dump_folder(self.run_lock, self.parallel)
+        stop_signals = StopSignals(cfg.training.stop_signals)
+        boundary = StepBoundary(self.parallel, stop_signals, self.checkpointer,
+                                cfg.parallel.collective_timeout_minutes)
+        fault_injection.arm(self)
+        stop_signals.install()
         try:
             while self.state.step < last_step:
                 result = self.train_step(self.next_micro_batches())
@@ -317,11 +339,26 @@ class Trainer:
                     window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
                 if cfg.metrics.val_freq > 0 and step % cfg.metrics.val_freq == 0:
                     self.log_validation()
-                if self.checkpointer.should_save(step, total_steps):
-                    self.save_checkpoint()
+                # preemption safety: stop or save now? (one host all-reduce, the same on every rank)
+                decision = boundary.decide(step)
+                if self.checkpointer.should_save(step, total_steps, time_due=decision.save_due,
+                                                 stopping=decision.stop):
+                    self.save_checkpoint(required=decision.stop or step == total_steps)
+                if decision.stop and step < total_steps:
+                    self.checkpointer.wait()
+                    saved = self.checkpointer.step_dir(step) if cfg.checkpoint.enable else None
+                    raise Preempted(step, decision.signal_name, saved)
             self.checkpointer.wait()
+        except RuntimeError as err:  # preemption safety: a rank died or hangs; name the step
+            failure = collective_failure(err, self.parallel, self.state.step, cfg.parallel)
+            if failure is None:
+                raise
+            raise failure from err
         finally:
             self.metrics.close()
+            stop_signals.restore()
+            if self.rank == 0:
+                self.run_lock.release()
         logger.info("training: done at step %d, %d tokens, %d skipped step(s)",
                     self.state.step, self.state.tokens, self.state.nan_skips)
         return self.state
@@ -574,8 +611,9 @@ class Trainer:
         state[f"rank_{self.rank}"] = pickle.dumps(rank_state)
         return state
 
-    def save_checkpoint(self) -> None:
-        self.checkpointer.save(self.state.step, self.checkpoint_state())
+    def save_checkpoint(self, required: bool = False) -> None:
+        """Save at this step; `required`: a failure stops the run whatever on_save_error says."""
+        self.checkpointer.save(self.state.step, self.checkpoint_state(), required=required)
 
     def resume(self) -> None:
         """Resume from the latest complete checkpoint (or load_step); else initial_load_path."""

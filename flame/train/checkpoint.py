@@ -142,7 +142,8 @@ class CheckpointManager:
     def save_due_by_time(self) -> bool:
         """checkpoint.interval_minutes have passed since the last save began (this rank's clock)."""
         minutes = self.cfg.interval_minutes
-        return self.cfg.enable and minutes > 0 and self.clock() - self.last_save_began >= 60 * minutes
+        elapsed = self.clock() - self.last_save_began
+        return self.cfg.enable and minutes > 0 and elapsed >= 60 * minutes
 
     def should_save(self, step: int, last_step: int, *, time_due: bool = False,
                     stopping: bool = False) -> bool:
@@ -169,7 +170,8 @@ class CheckpointManager:
             fault_point("save-start", step)
             logger.info("checkpoint: saving step %d to %s ...", step, path)
             if self.async_mode == "async":
-                future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group)
+                future = dcp.async_save(state, checkpoint_id=str(path),
+                                        process_group=self.async_group)
                 self.pending = (step, future, required)
                 return True
             dcp.save(state, checkpoint_id=str(path))
@@ -250,8 +252,8 @@ class CheckpointManager:
                 removed = (f"its partial folder could not be removed ({rm_err}); it has no "
                            f"COMPLETE marker, so resuming ignores it")
         complete = self.complete_steps()
-        kept = (f"the last complete checkpoint, {self.step_dir(complete[-1])}, is intact" if complete
-                else "there is no complete checkpoint yet")
+        kept = (f"the last complete checkpoint, {self.step_dir(complete[-1])}, is intact"
+                if complete else "there is no complete checkpoint yet")
         message = (f"checkpoint: saving step {step} to {path} failed: {_describe(err)}; {removed}; "
                    f"{kept}")
         if required or self.cfg.on_save_error == "stop":

@@ -111,8 +111,14 @@ def setup_parallel(cfg, device: torch.device) -> ParallelState:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend,
-                                timeout=timedelta(minutes=cfg.parallel.init_timeout_minutes))
+        timeout = timedelta(minutes=cfg.parallel.init_timeout_minutes)
+        # torchrun keeps its store across worker restarts (--max-restarts): a prefix per restart
+        # keeps the new ranks from reading the addresses their dead predecessors published there
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"flame-restart-{restart}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
 
     # size-1 mesh axes use the "fake" backend, which this import registers
     import torchtitan.distributed.parallel_dims as titan_parallel_dims

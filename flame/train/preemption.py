@@ -121,8 +121,9 @@ class StepBoundary:
     def decide(self, step: int) -> BoundaryDecision:
         fault_point("boundary", step)
         received = self.stop_signals.received
-        signum, save_due = self.parallel.all_reduce_max(
-            [int(received) if received is not None else 0, int(self.checkpointer.save_due_by_time())])
+        local = [int(received) if received is not None else 0,
+                 int(self.checkpointer.save_due_by_time())]
+        signum, save_due = self.parallel.all_reduce_max(local)
         if self.first:
             self.first = False
             self.parallel.set_collective_timeout(self.collective_timeout_minutes)

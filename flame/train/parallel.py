@@ -13,7 +13,8 @@
   so gradients are summed, not averaged.
 - Collectives time out: parallel.init_timeout_minutes until the first step is done, then
   parallel.collective_timeout_minutes (`ParallelState.set_collective_timeout`), so that a rank
-  that died or hangs stops the others; `collective_failure` names the step in their error.
+  that died or hangs stops the others; `collective_failure` names the step in their error (gloo
+  raises), `StallWarning` names it before NCCL's watchdog aborts the process (GPUs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -246,3 +249,38 @@ def parallelize(model: nn.Module, cfg, state: ParallelState) -> nn.Module:
         apply_fsdp(model, state, cfg.training.mixed_precision_param,
                    cfg.training.mixed_precision_reduce)
     return model
+
+
+class StallWarning:
+    """A thread that warns, once per step, when a step has run for most of the collective timeout.
+
+    On GPUs a collective that times out ends the process from NCCL's watchdog thread, whose
+    message names the collective, not the step: this warning comes first and names the step."""
+
+    def __init__(self, rank: int, timeout_minutes: float, poll_seconds: float = 5.0,
+                 fraction: float = 0.9):
+        self.rank = rank
+        self.limit = 60 * timeout_minutes * fraction
+        self.timeout_minutes = timeout_minutes
+        self.poll_seconds = poll_seconds
+        self.last_step, self.since, self.warned = 0, time.monotonic(), False
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.watch, name="flame-stall-warning", daemon=True)
+        self.thread.start()
+
+    def step_done(self, step: int) -> None:
+        self.last_step, self.since, self.warned = step, time.monotonic(), False
+
+    def watch(self) -> None:
+        while not self.stopped.wait(self.poll_seconds):
+            waited = time.monotonic() - self.since
+            if not self.warned and waited > self.limit:
+                self.warned = True
+                logger.warning(
+                    "rank %d: no step finished for %.1f min since step %d; collectives time out "
+                    "after %g min (parallel.collective_timeout_minutes): if this rank stops then, "
+                    "another rank died or hangs in step %d", self.rank, waited / 60,
+                    self.last_step, self.timeout_minutes, self.last_step + 1)
+
+    def close(self) -> None:
+        self.stopped.set()

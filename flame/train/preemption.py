@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flame.train.fault_injection import fault_point
+from flame.train.parallel import StallWarning
 
 logger = logging.getLogger("flame.train")
 
@@ -108,7 +109,8 @@ class StepBoundary:
 
     The first decision also shortens the collectives' timeout from
     parallel.init_timeout_minutes to parallel.collective_timeout_minutes: every rank has then
-    finished its first step (setup, checkpoint load and compile are behind it)."""
+    finished its first step (setup, checkpoint load and compile are behind it). On several GPUs
+    a `StallWarning` then names a step that runs into that timeout. `close()` when done."""
 
     def __init__(self, parallel, stop_signals: StopSignals, checkpointer,
                  collective_timeout_minutes: float):
@@ -117,6 +119,7 @@ class StepBoundary:
         self.checkpointer = checkpointer
         self.collective_timeout_minutes = collective_timeout_minutes
         self.first = True
+        self.stall_warning: StallWarning | None = None
 
     def decide(self, step: int) -> BoundaryDecision:
         fault_point("boundary", step)
@@ -127,6 +130,11 @@ class StepBoundary:
         if self.first:
             self.first = False
             self.parallel.set_collective_timeout(self.collective_timeout_minutes)
+            if self.parallel.device.type == "cuda" and self.parallel.world_size > 1:
+                self.stall_warning = StallWarning(self.parallel.rank,
+                                                  self.collective_timeout_minutes)
+        if self.stall_warning is not None:
+            self.stall_warning.step_done(step)
         if not signum:
             return BoundaryDecision(stop=False, save_due=bool(save_due))
         name = signal.Signals(signum).name
@@ -137,3 +145,7 @@ class StepBoundary:
                         "exiting with code %d (a second signal aborts)", step, name, where,
                         PREEMPTED_EXIT_CODE)
         return BoundaryDecision(stop=True, save_due=bool(save_due), signal_name=name)
+
+    def close(self) -> None:
+        if self.stall_warning is not None:
+            self.stall_warning.close()

@@ -357,6 +357,7 @@ class Trainer:
         finally:
             self.metrics.close()
             stop_signals.restore()
+            boundary.close()
             if self.rank == 0:
                 self.run_lock.release()
         logger.info("training: done at step %d, %d tokens, %d skipped step(s)",

@@ -38,24 +38,19 @@ class RunLockedError(RuntimeError):
     """The dump folder is locked by another run that may be alive."""
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first; the start time, in
+    clock ticks since boot, 20th); None when unknown (no /proc, no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()  # after "pid (command) "
+
+
 def process_start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None when
-    unknown (no /proc, no such process)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (command) "
-    return int(fields[19]) if len(fields) > 19 else None
-
-
-def process_state(pid: int) -> str | None:
-    """The /proc state letter of `pid` ("Z": a zombie, dead but not reaped); None when unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2:].split()[0]
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
 
 
 def process_alive(pid: int, start_ticks: int | None) -> bool:
@@ -66,7 +61,8 @@ def process_alive(pid: int, start_ticks: int | None) -> bool:
         return False
     except PermissionError:
         pass  # another user's process: it exists
-    if process_state(pid) == "Z":
+    fields = proc_stat(pid)
+    if fields and fields[0] == "Z":  # a zombie: dead, not yet reaped by its parent
         return False
     current = process_start_ticks(pid)
     return start_ticks is None or current is None or current == start_ticks

@@ -6,14 +6,16 @@
 
 What it measures (CUDA GPU; bf16 FSDP2 mixed precision on one rank, as `python -m flame.train` runs):
 each family's `configs/<family>_340M.toml` at batch 8 x 2048 x GA 2 and vocab 32000 on the embedded
-corpus (the GPU machines have no network), stepped by `flame.train.Trainer.train_step`, the loop of
-`python -m flame.train`: the same model wrapping (compile, FSDP), loss and optimizer. fla's model of the
+corpus (the GPU machines have no network), stepped by `flame.train.Trainer.run_steps`, the loop of
+`python -m flame.train`: the same model wrapping (compile, FSDP), loss, optimizer and step pipelining
+(step N+1 is queued before step N's numbers are read). fla's model of the
 family (fla 0.6, optional) runs in the same loop in a child process of its own, built through the
 trainer's `model_factory` hook, with flame's loss and optimizer.
 
 Per family and library it reports:
-- tokens/s: the median over the timed steps after the warm-up, from wall time with a device sync at
-  each step's end; the first step's time (compile, autotune) separately;
+- tokens/s: the median over the timed steps after the warm-up, from the wall time between two steps'
+  results (the loop reads each step's numbers, a device sync, once the next step is queued); the
+  first step's time (compile, autotune) separately;
 - peak memory: `torch.cuda.max_memory_allocated` over the run;
 - GPU ms per step by kind (matmul, attention kernels, loss, optimizer, other kernels) from a
   torch.profiler trace of `--profile-steps` steps, and the host-bound time: wall time per profiled
@@ -142,7 +144,9 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
     from flame.config import load_config
     from flame.train.trainer import Trainer
 
-    total = warmup + steps + profile_steps
+    # one more step than measured: the loop reads the last step's numbers before it returns, so
+    # the last step does not overlap the next one as every other step does
+    total = warmup + steps + 1 + profile_steps + 1
     if lib == "fla":
         # fla's model does not compile: Inductor rejects the in-place use of views that its custom
         # autograd Functions return (torch 2.11); it runs eager, with its own fused Triton glue
@@ -155,18 +159,20 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
         tokens_per_step = (cfg.training.batch_size * cfg.training.seq_len
                            * cfg.training.gradient_accumulation_steps)
 
+        # the trainer's own loop (`Trainer.run_steps`, as `train()` runs it): step N+1 is queued
+        # before step N's numbers are read, so a step's time is the time between two results
+        results = trainer.run_steps(total)
         losses = []
+        clock = [time.perf_counter()]
 
         def step() -> float:
-            batches = trainer.next_micro_batches()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            result = trainer.train_step(batches)
-            torch.cuda.synchronize()
+            result = next(results)
             if result.skipped:
                 raise RuntimeError(f"{family}/{lib}: step {trainer.state.step} was non-finite")
             losses.append(result.loss)
-            return time.perf_counter() - start
+            now = time.perf_counter()
+            elapsed, clock[0] = now - clock[0], now
+            return elapsed
 
         times = [step() for _ in range(warmup)]
         host_profile = None

@@ -98,14 +98,28 @@ def act(fault: Fault) -> None:
 
 
 def arm(trainer) -> None:
-    """Hook the points inside a step into `trainer`'s model and optimizer (when any is planned)."""
+    """Hook the points inside a step into `trainer`'s model and optimizer (when any is planned).
+
+    The hooks count from the step the run starts at, one step per gradient_accumulation_steps
+    forwards in training mode and per optimizer update: the loop may queue step N+1 before it
+    counts step N. (A non-finite step that reloads a checkpoint throws the count off.)"""
     if not PLAN or getattr(trainer, "faults_armed", False):
         return
     trainer.faults_armed = True
     planned = {point for point, _ in PLAN}
-    if "forward" in planned:  # the step counter moves to N inside step N, after the forward
-        trainer.model.register_forward_pre_hook(
-            lambda module, args: fault_point("forward", trainer.state.step + 1))
+    start, per_step = trainer.state.step, trainer.cfg.training.gradient_accumulation_steps
+    forwards, updates = [0], [0]
+
+    def on_forward(module, args):
+        if module.training:
+            forwards[0] += 1
+            fault_point("forward", start + (forwards[0] + per_step - 1) // per_step)
+
+    def on_update(optimizer, args, kwargs):
+        updates[0] += 1
+        fault_point("update", start + updates[0])
+
+    if "forward" in planned:
+        trainer.model.register_forward_pre_hook(on_forward)
     if "update" in planned:
-        trainer.optimizer.register_step_post_hook(
-            lambda optimizer, args, kwargs: fault_point("update", trainer.state.step))
+        trainer.optimizer.register_step_post_hook(on_update)

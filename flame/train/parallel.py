@@ -52,6 +52,19 @@ class ParallelState:
     def distributed(self) -> bool:
         return self.parallel_dims is not None
 
+    @property
+    def fsdp_one_unit(self) -> bool:
+        """One data-parallel rank: `apply_fsdp` makes the whole model one FSDP unit."""
+        return self.distributed and self.dp_world_size == 1
+
+    @property
+    def shard_group(self):
+        """The process group over which FSDP shards parameters and gradients (None: no sharding
+        across processes)."""
+        if not self.distributed or self.parallel_dims.dp_shard <= 1:
+            return None
+        return self.parallel_dims.get_optional_mesh("fsdp").get_group()
+
     def all_reduce_count(self, count: int) -> int:
         """Sum an integer over all ranks, on the host (gloo): no device sync."""
         if not self.distributed or self.world_size == 1:
@@ -215,7 +228,7 @@ def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     else:  # CPU (gloo, CI): full fp32, the exact reference
         mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    if mesh.size() > 1:
+    if not state.fsdp_one_unit:
         blocks = list(model.layers)
         for index, block in enumerate(blocks):
             # the last block's parameters are needed again at once by the root: keep them gathered

@@ -3,9 +3,12 @@
 A run that gets one of `training.stop_signals` (SIGTERM, SIGINT, SIGUSR1 by default) finishes the
 optimizer step in flight, saves a checkpoint at that step (the usual COMPLETE-marker protocol),
 flushes its metrics and exits with PREEMPTED_EXIT_CODE; a restart resumes from that checkpoint.
-The signal handlers only record the signal. Once per step the loop asks `StepBoundary.decide`,
-whose one host all-reduce (MAX, on the CPU/gloo group: no device sync) of {the signal received,
-a timed save due} gives every rank the same answer at the same step: one rank's signal is enough.
+The signal handlers only record the signal. Once per step, while the step runs, the loop asks
+`StepBoundary.decide`, whose one host all-reduce (MAX, on the CPU/gloo group: no device sync) of
+{the signal received, a timed save due} gives every rank the same answer for the same step: one
+rank's signal is enough. The loop then reads that step's numbers before queuing the next (the
+checkpoint must hold exactly that step's weights), and after it, `decision_for(step)` says
+whether to save and stop there.
 
 A second signal while stopping aborts at once with ABORTED_EXIT_CODE: the save in flight is left
 without its COMPLETE marker, so the previous complete checkpoint stays the one to resume from.
@@ -66,6 +69,8 @@ class StopSignals:
         return self.received is not None
 
     def install(self) -> None:
+        """Handle the signals from now on; a stop requested before is forgotten."""
+        self.received, self.stopping_step = None, None
         if not self.signals or self.previous:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -105,11 +110,12 @@ class BoundaryDecision:
 
 
 class StepBoundary:
-    """The decision at the end of every optimizer step, the same on every rank.
+    """The decision about every optimizer step's end, the same on every rank: `decide(step)`
+    while the step runs, `decision_for(step)` once it is done and logged.
 
     The first decision also shortens the collectives' timeout from
     parallel.init_timeout_minutes to parallel.collective_timeout_minutes: every rank has then
-    finished its first step (setup, checkpoint load and compile are behind it). On several GPUs
+    queued its first step (setup, checkpoint load and compile are behind it). On several GPUs
     a `StallWarning` then names a step that runs into that timeout. `close()` when done."""
 
     def __init__(self, parallel, stop_signals: StopSignals, checkpointer,
@@ -120,9 +126,22 @@ class StepBoundary:
         self.collective_timeout_minutes = collective_timeout_minutes
         self.first = True
         self.stall_warning: StallWarning | None = None
+        self.decisions: dict[int, BoundaryDecision] = {}
+
+    def decision_for(self, step: int) -> BoundaryDecision:
+        """The decision taken for `step`, called once it is done and logged, before its save;
+        taken now for a step that ran outside the loop (`Trainer.train_step`)."""
+        fault_point("boundary", step)
+        if self.stall_warning is not None:
+            self.stall_warning.step_done(step)
+        decision = self.decisions.pop(step, None)
+        return decision if decision is not None else self.agree(step)
 
     def decide(self, step: int) -> BoundaryDecision:
-        fault_point("boundary", step)
+        self.decisions[step] = decision = self.agree(step)
+        return decision
+
+    def agree(self, step: int) -> BoundaryDecision:
         received = self.stop_signals.received
         local = [int(received) if received is not None else 0,
                  int(self.checkpointer.save_due_by_time())]
@@ -130,11 +149,9 @@ class StepBoundary:
         if self.first:
             self.first = False
             self.parallel.set_collective_timeout(self.collective_timeout_minutes)
-            if self.parallel.device.type == "cuda" and self.parallel.world_size > 1:
-                self.stall_warning = StallWarning(self.parallel.rank,
-                                                  self.collective_timeout_minutes)
-        if self.stall_warning is not None:
-            self.stall_warning.step_done(step)
+        if (self.stall_warning is None and self.parallel.device.type == "cuda"
+                and self.parallel.world_size > 1):
+            self.stall_warning = StallWarning(self.parallel.rank, self.collective_timeout_minutes)
         if not signum:
             return BoundaryDecision(stop=False, save_due=bool(save_due))
         name = signal.Signals(signum).name
@@ -147,5 +164,7 @@ class StepBoundary:
         return BoundaryDecision(stop=True, save_due=bool(save_due), signal_name=name)
 
     def close(self) -> None:
+        """Stop the stall warning's thread (the next decision starts another)."""
         if self.stall_warning is not None:
             self.stall_warning.close()
+            self.stall_warning = None

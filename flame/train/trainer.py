@@ -36,6 +36,7 @@ from flame.train.checkpoint import (
     OptimizerState,
     load_exported_weights,
 )
+from flame.train.gradients import GradNorms, clip_grad_norm
 from flame.train.loss import IGNORE_INDEX, count_valid_tokens
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger
@@ -74,6 +75,22 @@ class StepResult:
     first_nonfinite_module: str | None = None  # set when the loss itself is non-finite
 
 
+@dataclass
+class LaunchedStep:
+    """An optimizer step whose work is queued on the device and whose numbers are not read yet."""
+
+    micro_batches: list[dict[str, torch.Tensor]]
+    loss: torch.Tensor
+    """The step loss summed over ranks (device)."""
+    norms: GradNorms
+    valid_tokens: int
+    lr: float
+    update_queued: bool
+    """The update is queued behind the device-side finite check (fused AdamW skips it when the
+    loss or the gradient norm is not finite); otherwise `resolve_step` applies it after reading
+    the numbers."""
+
+
 class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
@@ -98,18 +115,6 @@ def setup_logging(rank: int = 0) -> None:
         flame_logger.addHandler(handler)
         flame_logger.propagate = False
     flame_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-
-
-def first_nonfinite_grad(model: torch.nn.Module) -> str | None:
-    """Name of the first parameter whose gradient (this rank's shard) holds a NaN or Inf."""
-    for name, param in model.named_parameters():
-        grad = param.grad
-        if grad is None:
-            continue
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        if not bool(torch.isfinite(local).all()):
-            return name
-    return None
 
 
 def first_nonfinite_module(model: torch.nn.Module, run_forward) -> str | None:
@@ -205,15 +210,25 @@ class Trainer:
 
         # 3. model: built on the meta device, parallelised, materialised, initialised
         self.model = self.build_model(model_factory)
+        self.fsdp_one_unit = self.parallel.fsdp_one_unit
 
         # 4. optimizer, LR schedule, checkpoints (and a resume when there is one)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        # fused AdamW skips an update on a device flag, so a step's update is queued before its
+        # numbers are read and the host runs ahead of the device
+        self.fused_optimizer = cfg.optimizer.implementation == "fused"
+        self.reloads = 0  # checkpoint reloads after non-finite streaks (training.nan_recovery)
+        self.log_window = (time.perf_counter(), 0, 0)  # start, valid tokens, steps since the last log
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, cfg.lr_scheduler, training.steps, cfg.optimizer.lr
         )
         self.checkpointer = CheckpointManager(cfg.checkpoint, str(self.dump_folder))
         self.state = TrainState(dp_world_size=self.parallel.dp_world_size)
         self.resume()
+        # preemption safety: stop signals (handled while train() runs), the per-step decision
+        self.stop_signals = StopSignals(cfg.training.stop_signals)
+        self.boundary = StepBoundary(self.parallel, self.stop_signals, self.checkpointer,
+                                     cfg.parallel.collective_timeout_minutes)
 
         # 5. metrics (a resumed run continues its wandb run)
         self.metrics = MetricsLogger(
@@ -312,42 +327,20 @@ class Trainer:
         cfg = self.cfg
         total_steps = cfg.training.steps
         last_step = total_steps if stop_at_step is None else min(stop_at_step, total_steps)
-        log_freq = max(1, cfg.metrics.log_freq)
         logger.info(
             "training: steps %d -> %d, batch %d x GA %d x DP %d, seq_len %d",
             self.state.step, total_steps, cfg.training.batch_size,
             cfg.training.gradient_accumulation_steps, self.parallel.dp_world_size,
             cfg.training.seq_len,
         )
-        window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
-        # preemption safety: the folder lock, stop signals, the boundary decision, test faults
+        self.log_window = (time.perf_counter(), 0, 0)
+        # preemption safety: the folder lock, the stop signals' handlers, test faults
         lock_dump_folder(self.run_lock, self.parallel)
-        stop_signals = StopSignals(cfg.training.stop_signals)
-        boundary = StepBoundary(self.parallel, stop_signals, self.checkpointer,
-                                cfg.parallel.collective_timeout_minutes)
         fault_injection.arm(self)
-        stop_signals.install()
+        self.stop_signals.install()
         try:
-            while self.state.step < last_step:
-                result = self.train_step(self.next_micro_batches())
-                window_tokens += result.valid_tokens
-                window_steps += 1
-                step = self.state.step
-                if step % log_freq == 0 or step == total_steps or result.skipped:
-                    elapsed = time.perf_counter() - window_start
-                    self.log_step(result, window_tokens, elapsed, window_steps)
-                    window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
-                if cfg.metrics.val_freq > 0 and step % cfg.metrics.val_freq == 0:
-                    self.log_validation()
-                # preemption safety: stop or save now? (one host all-reduce, the same on every rank)
-                decision = boundary.decide(step)
-                if self.checkpointer.should_save(step, total_steps, time_due=decision.save_due,
-                                                 stopping=decision.stop):
-                    self.save_checkpoint(required=decision.stop or step == total_steps)
-                if decision.stop and step < total_steps:
-                    self.checkpointer.wait()
-                    saved = self.checkpointer.step_dir(step) if cfg.checkpoint.enable else None
-                    raise Preempted(step, decision.signal_name, saved)
+            for result in self.run_steps(last_step):
+                self.after_step(result)
             self.checkpointer.wait()
         except RuntimeError as err:  # preemption safety: a rank died or hangs; name the step
             failure = collective_failure(err, self.parallel, self.state.step, cfg.parallel)
@@ -356,13 +349,67 @@ class Trainer:
             raise failure from err
         finally:
             self.metrics.close()
-            stop_signals.restore()
-            boundary.close()
+            self.stop_signals.restore()
+            self.boundary.close()
             if self.rank == 0:
                 self.run_lock.release()
         logger.info("training: done at step %d, %d tokens, %d skipped step(s)",
                     self.state.step, self.state.tokens, self.state.nan_skips)
         return self.state
+
+    def run_steps(self, last_step: int):
+        """Step until `last_step`, yielding each step's result once its numbers are read.
+
+        Step N+1's forward and backward are queued before step N's numbers are read, so the
+        host's per-step work (gathering, clipping, the optimizer's launches, the next batch)
+        overlaps the device's work instead of idling it. The loop pauses (reads a step's numbers
+        before queuing the next) where the next step must see exactly this step's weights: before
+        a validation or a checkpoint, and at the end; and after every step when the optimizer
+        cannot skip an update on its own (not fused); and after a step that a stop signal or a
+        timed checkpoint ends, as every rank decides while the step runs (`StepBoundary`)."""
+        pending: LaunchedStep | None = None
+        while self.state.step + (pending is not None) < last_step:
+            step, previous = self.launch_step(self.next_micro_batches(), pending)
+            pending = None
+            if previous is not None:
+                yield previous
+            # preemption safety: stop or save after this step? (one host all-reduce, every rank alike)
+            decision = self.boundary.decide(self.state.step + 1)
+            if step.update_queued and not (decision.stop or decision.save_due
+                                           or self.pauses_after(self.state.step + 1, last_step)):
+                pending = step
+            else:
+                yield self.resolve_step(step)
+
+    def pauses_after(self, step: int, last_step: int) -> bool:
+        """Whether the loop reads step `step`'s numbers before queuing the next step: at the
+        end, and before a validation or a checkpoint, which must see exactly that step's weights."""
+        val_freq = self.cfg.metrics.val_freq
+        return (step >= last_step or (val_freq > 0 and step % val_freq == 0)
+                or self.checkpointer.should_save(step, self.cfg.training.steps))
+
+    def after_step(self, result: StepResult) -> None:
+        """Logs, validation and checkpoints after step `self.state.step`, whose result this is."""
+        cfg = self.cfg
+        step, total_steps = self.state.step, cfg.training.steps
+        start, tokens, steps = self.log_window
+        tokens, steps = tokens + result.valid_tokens, steps + 1
+        if step % max(1, cfg.metrics.log_freq) == 0 or step == total_steps or result.skipped:
+            self.log_step(result, tokens, time.perf_counter() - start, steps)
+            self.log_window = (time.perf_counter(), 0, 0)
+        else:
+            self.log_window = (start, tokens, steps)
+        if cfg.metrics.val_freq > 0 and step % cfg.metrics.val_freq == 0:
+            self.log_validation()
+        # preemption safety: the decision taken while this step ran (run_steps)
+        decision = self.boundary.decision_for(step)
+        if self.checkpointer.should_save(step, total_steps, time_due=decision.save_due,
+                                         stopping=decision.stop):
+            self.save_checkpoint(required=decision.stop or step == total_steps)
+        if decision.stop and step < total_steps:
+            self.checkpointer.wait()
+            saved = self.checkpointer.step_dir(step) if cfg.checkpoint.enable else None
+            raise Preempted(step, decision.signal_name, saved)
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of the next step (a new pass starts at the data's end)."""
@@ -383,11 +430,18 @@ class Trainer:
 
         Returns (this rank's share of the step loss, as a device tensor; the step's valid-token
         count over all micro-batches and ranks). That count is known before the first forward, so
-        each micro-batch divides its CE sum by it.
+        each micro-batch divides its CE sum by it. When the whole model is one FSDP unit (one
+        data-parallel rank), the micro-batches before the last keep the gathered weights and
+        accumulate unsharded fp32 gradients, so the step gathers and reduces once.
         """
         valid_tokens = self.parallel.all_reduce_count(count_valid_tokens(micro_batches))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for batch in micro_batches:
+        one_unit = self.fsdp_one_unit
+        for index, batch in enumerate(micro_batches):
+            if one_unit:
+                last = index == len(micro_batches) - 1
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last)
             loss = self.loss(batch, 1.0 / max(valid_tokens, 1))
             loss.backward()
             loss_sum += loss.detach()
@@ -416,33 +470,68 @@ class Trainer:
         return self.model(input_ids, cu_seqlens=cu_seqlens), labels
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
-        """One optimizer step over `micro_batches`, this rank's share of the global batch."""
+        """One optimizer step over `micro_batches`, this rank's share of the global batch, with
+        its numbers read before it returns."""
+        step, _ = self.launch_step(micro_batches)
+        return self.resolve_step(step)
+
+    def launch_step(self, micro_batches: list[dict[str, torch.Tensor]],
+                    previous: LaunchedStep | None = None) -> tuple[LaunchedStep, StepResult | None]:
+        """Queue one optimizer step: forward and backward, the gradient norm and clipping, and,
+        with fused AdamW, the update behind a device-side finite check. With `previous`, that
+        step's numbers are read (`resolve_step`) once this step's backward is queued, and before
+        this step's update, whose LR depends on whether the previous one was skipped.
+        Returns (this step, the previous step's result or None)."""
         with op_value_checks_off():
             loss_sum, valid_tokens = self.forward_backward(micro_batches)
+        previous_result = None
+        if previous is not None:
+            reloads = self.reloads
+            previous_result = self.resolve_step(previous)
+            if self.reloads != reloads:
+                # the previous step's non-finite streak reloaded a checkpoint: this step's
+                # gradients belong to the weights before the reload
+                self.optimizer.zero_grad(set_to_none=True)
+                with op_value_checks_off():
+                    loss_sum, valid_tokens = self.forward_backward(micro_batches)
         max_norm = self.cfg.training.max_norm
-        grad_norm = self.clip_grad_norm(max_norm if max_norm > 0 else math.inf)
-        loss_global = self.parallel.all_reduce_sum(loss_sum)
-        # the one host sync of the step: both numbers serve the logs and the finite check, and
-        # both are global (all-reduced), so every rank takes the same decision
-        loss_value, norm_value = torch.stack([loss_global, grad_norm.float()]).tolist()
-
+        norms = self.clip_grad_norm(max_norm if max_norm > 0 else math.inf)
+        loss = self.parallel.all_reduce_sum(loss_sum)
         lr = self.current_lr()
+        queued = self.fused_optimizer and valid_tokens > 0
+        if queued:
+            finite = torch.isfinite(loss) & torch.isfinite(norms.total)
+            self.optimizer.found_inf = (~finite).float()  # read by fused AdamW: skip the update
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.found_inf = None
+            self.optimizer.zero_grad(set_to_none=True)
+        return LaunchedStep(micro_batches, loss, norms, valid_tokens, lr, queued), previous_result
+
+    def resolve_step(self, step: LaunchedStep) -> StepResult:
+        """Read a launched step's loss and gradient norm (the one host sync of a step), apply its
+        update if it is not queued yet, and count it: a step whose loss or gradient norm is not
+        finite is skipped on every rank (both numbers are global) and the LR schedule stays."""
+        loss_value, norm_value = torch.stack([step.loss, step.norms.total.to(step.loss.device)]).tolist()
         self.state.step += 1
-        finite = math.isfinite(loss_value) and math.isfinite(norm_value) and valid_tokens > 0
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value) and step.valid_tokens > 0
         culprit = module = None
         if finite:
-            self.optimizer.step()
+            if not step.update_queued:
+                self.optimizer.step()
             self.lr_scheduler.step()
             self.state.consecutive_nan_skips = 0
-            self.state.tokens += valid_tokens
+            self.state.tokens += step.valid_tokens
         else:
-            culprit = first_nonfinite_grad(self.model)
+            culprit = step.norms.first_nonfinite()
             if not math.isfinite(loss_value):
-                module = self.locate_nonfinite_forward(micro_batches)
+                module = self.locate_nonfinite_forward(step.micro_batches)
             self.state.nan_skips += 1
             self.state.consecutive_nan_skips += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        result = StepResult(loss_value, norm_value, lr, valid_tokens, not finite, culprit, module)
+        if not step.update_queued:
+            self.optimizer.zero_grad(set_to_none=True)
+        result = StepResult(loss_value, norm_value, step.lr, step.valid_tokens, not finite, culprit, module)
         if not finite:
             self.handle_nonfinite(result)
         return result
@@ -457,18 +546,18 @@ class Trainer:
                 found = first_nonfinite_module(self.model, lambda: self.forward(batch))
             if found is not None:
                 break
+        if self.parallel.distributed:
+            # the search may run before a queued update: the next forward gathers the new weights
+            self.model.reshard()
         if not self.parallel.distributed or self.parallel.world_size == 1:
             return found
         gathered: list[str | None] = [None] * self.parallel.world_size
         dist.all_gather_object(gathered, found)
         return next((f"{name} on rank {rank}" for rank, name in enumerate(gathered) if name), None)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip to `max_norm` by the global norm over all shards; returns the norm before."""
-        from torchtitan.distributed.utils import clip_grad_norm_
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        return clip_grad_norm_(params, max_norm, foreach=True)
+    def clip_grad_norm(self, max_norm: float) -> GradNorms:
+        """Clip to `max_norm` by the global norm over all shards; returns the norms before."""
+        return clip_grad_norm(self.model.named_parameters(), max_norm, self.parallel.shard_group)
 
     # ---- non-finite steps ----------------------------------------------------------------
 
@@ -514,6 +603,7 @@ class Trainer:
         data_state = self.dataloader.state_dict() if hasattr(self.dataloader, "state_dict") else None
         consumed = self.batches_consumed
         self.load_full_checkpoint(self.checkpointer.step_dir(step))
+        self.reloads += 1
         if data_state is not None:
             self.dataloader.load_state_dict(data_state)
             self.batches = iter(self.dataloader)

@@ -148,10 +148,12 @@ def test_known_failure_4_hsdp_four_ranks_equal_one_rank_ga4(tmp_path):
 # ---- resume with 2 processes ------------------------------------------------------------------
 
 def resume_config(dump):
+    # fused AdamW: the loop queues each step before it reads the previous one's numbers
     return tiny_config(
         dump,
         training={"steps": 6, "batch_size": 2, "seq_len": 32, "gradient_accumulation_steps": 1},
         checkpoint={"enable": True, "interval": 3, "keep_latest_k": 0},
+        optimizer={"lr": 3e-3, "implementation": "fused"},
     )
 
 
@@ -189,9 +191,16 @@ def test_two_rank_resume_matches_and_dp_size_is_checked(tmp_path):
 # ---- a NaN on one rank: every rank skips, the diagnosis names that rank -----------------------
 
 def two_rank_nan_run(rank: int, dump: str) -> None:
+    for implementation in ("for-loop", "fused"):
+        cfg = ga_config(os.path.join(dump, implementation), ga=1)
+        cfg.optimizer.implementation = implementation
+        one_nan_step(rank, cfg, os.path.join(dump, f"{implementation}-rank{rank}.json"))
+
+
+def one_nan_step(rank: int, cfg, out: str) -> None:
     import math
 
-    trainer = Trainer(ga_config(dump, ga=1), dataloader=())
+    trainer = Trainer(cfg, dataloader=())
     batches = global_batches()
     rows = slice(2 * rank, 2 * rank + 2)
     first = trainer.train_step([{"input_ids": batches[0][0][rows], "labels": batches[0][1][rows]}])
@@ -204,7 +213,7 @@ def two_rank_nan_run(rank: int, dump: str) -> None:
         hook.remove()
     unchanged = all(torch.equal(before[k], v) for k, v in full_params(trainer.model).items())
     after = trainer.train_step([{"input_ids": batches[2][0][rows], "labels": batches[2][1][rows]}])
-    with open(os.path.join(dump, f"rank{rank}.json"), "w") as f:
+    with open(out, "w") as f:
         json.dump({"first": first.skipped, "skipped": nan.skipped, "module": nan.first_nonfinite_module,
                    "unchanged": unchanged, "after": after.skipped, "nan_skips": trainer.state.nan_skips,
                    "step": trainer.state.step}, f)
@@ -212,10 +221,43 @@ def two_rank_nan_run(rank: int, dump: str) -> None:
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     spawn(two_rank_nan_run, str(tmp_path))
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for r, record in enumerate(seen):
+    seen = [(f"{implementation} rank {r}", json.loads((tmp_path / f"{implementation}-rank{r}.json").read_text()))
+            for implementation in ("for-loop", "fused") for r in range(WORLD)]
+    for r, record in seen:
         assert record["first"] is False and record["skipped"] is True and record["after"] is False, r
         assert record["unchanged"], f"rank {r} changed its parameters on the skipped step"
         assert (record["nan_skips"], record["step"]) == (1, 3), r
         assert record["module"] is not None and record["module"].startswith("layers.1.ffn ("), record
         assert record["module"].endswith("on rank 1"), record
+
+
+# ---- one process under torchrun: the whole model one FSDP unit ---------------------------------
+
+def one_rank_fsdp_run(rank: int, dump: str) -> None:
+    cfg = ga_config(dump, ga=4)
+    cfg.optimizer.implementation = "fused"
+    cfg.training.steps = STEPS
+    batches = [batch for input_ids, labels in global_batches() for batch in split_rows(input_ids, labels, 2)]
+    trainer = Trainer(cfg, dataloader=batches)
+    assert trainer.fsdp_one_unit
+    trainer.train()
+    torch.save({"losses": losses(trainer.dump_folder), "params": full_params(trainer.model)},
+               os.path.join(dump, "one_rank.pt"))
+
+
+def test_one_rank_fsdp_with_gradient_accumulation_equals_plain_training(tmp_path):
+    """One FSDP unit keeps its gathered weights and unsharded gradients across the micro-batches
+    of a step (one gather and one reduction per step), and the loop queues steps ahead: the same
+    training as one process without torch.distributed."""
+    spawn(one_rank_fsdp_run, str(tmp_path / "fsdp"), world=1)
+    fsdp = torch.load(tmp_path / "fsdp" / "one_rank.pt")
+    cfg = ga_config(tmp_path / "plain", ga=4)
+    cfg.optimizer.implementation = "fused"
+    batches = [batch for input_ids, labels in global_batches() for batch in split_rows(input_ids, labels, 2)]
+    plain = Trainer(cfg, dataloader=batches)
+    plain.train()
+    plain_losses = losses(plain.dump_folder)
+    assert sorted(fsdp["losses"]) == sorted(plain_losses) == [1, 2, 3]
+    assert [fsdp["losses"][s] for s in (1, 2, 3)] == pytest.approx([plain_losses[s] for s in (1, 2, 3)], rel=1e-6)
+    for key, value in params(plain.model).items():
+        torch.testing.assert_close(fsdp["params"][key], value, rtol=1e-5, atol=3e-5, msg=lambda m: f"{key}: {m}")

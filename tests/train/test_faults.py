@@ -197,6 +197,32 @@ def test_sigint_in_process_saves_raises_preempted_and_restores_the_handlers(tmp_
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+def test_a_stop_in_the_pipelined_loop_saves_exactly_the_weights_of_the_step_it_names(tmp_path):
+    # fused AdamW queues step N+1 before step N's numbers are read: the stop decided while step 3
+    # runs must pause the loop after step 3, so that step-3 holds step 3's weights, not step 4's
+    def config(dump):
+        return tiny_config(dump, training={"steps": 6}, optimizer={"implementation": "fused"},
+                           checkpoint={"enable": True, "interval": 10})
+
+    straight = Trainer(config(tmp_path / "straight"))
+    straight.train(stop_at_step=3)
+    trainer = Trainer(config(tmp_path / "stopped"))
+    forwards = []
+
+    def signal_in_the_third_step(module, args):
+        forwards.append(1)
+        if len(forwards) == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    trainer.model.register_forward_pre_hook(signal_in_the_third_step)
+    with pytest.raises(Preempted, match="stopped by SIGUSR1 at step 3"):
+        trainer.train()
+    saved = checkpoint_tensors(tmp_path / "stopped" / "checkpoint" / "step-3")
+    for name, value in params(straight.model).items():
+        assert torch.equal(saved[f"model.{name}"], value), name
+    assert trainer.batches_consumed == straight.batches_consumed == 3
+
+
 def test_a_repeated_signal_within_the_window_counts_once():
     signals = StopSignals(["SIGUSR1", "SIGUSR2"])
     before = signal.getsignal(signal.SIGUSR1)

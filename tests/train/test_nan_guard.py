@@ -1,4 +1,7 @@
-"""Non-finite steps: skipped on every rank, parameters and optimizer state untouched, counted."""
+"""Non-finite steps: skipped on every rank, parameters and optimizer state untouched, counted.
+
+Each case runs with the for-loop AdamW, whose update waits for the host to read the step's
+numbers, and with fused AdamW, whose update is queued behind a device-side finite check."""
 
 import math
 
@@ -32,9 +35,15 @@ def assert_same(a: dict, b: dict):
             assert a[key] == b[key], key
 
 
+@pytest.fixture(params=["for-loop", "fused"])
+def implementation(request):
+    return request.param
+
+
 @pytest.fixture
-def trainer(tmp_path):
-    cfg = tiny_config(tmp_path, training={"steps": 10, "max_consecutive_nan_steps": 3})
+def trainer(tmp_path, implementation):
+    cfg = tiny_config(tmp_path, training={"steps": 10, "max_consecutive_nan_steps": 3},
+                      optimizer={"implementation": implementation})
     return Trainer(cfg, dataloader=())  # the tests feed their own micro-batches
 
 
@@ -90,10 +99,10 @@ def test_too_many_consecutive_nan_steps_stop_the_run(trainer):
     assert trainer.state.nan_skips == 3
 
 
-def test_nan_recovery_reloads_the_last_good_checkpoint_and_skips_the_data(tmp_path):
+def test_nan_recovery_reloads_the_last_good_checkpoint_and_skips_the_data(tmp_path, implementation):
     cfg = tiny_config(tmp_path, training={"steps": 10, "max_consecutive_nan_steps": 2,
                                           "nan_recovery": True},
-                      checkpoint={"enable": True, "interval": 2})
+                      checkpoint={"enable": True, "interval": 2}, optimizer={"implementation": implementation})
     trainer = Trainer(cfg)
     trainer.train(stop_at_step=2)
     good = params(trainer.model)
@@ -129,9 +138,9 @@ def test_a_nan_born_in_the_forward_is_traced_to_its_module(trainer):
     assert result.skipped and result.first_nonfinite_module is None
 
 
-def test_the_stop_message_says_when_no_checkpoint_exists(tmp_path):
+def test_the_stop_message_says_when_no_checkpoint_exists(tmp_path, implementation):
     cfg = tiny_config(tmp_path, training={"steps": 10, "max_consecutive_nan_steps": 2},
-                      checkpoint={"enable": False})
+                      checkpoint={"enable": False}, optimizer={"implementation": implementation})
     trainer = Trainer(cfg, dataloader=())
     hook = trainer.model.embeddings.register_forward_hook(lambda m, i, out: out * math.nan)
     trainer.train_step(batches(1))

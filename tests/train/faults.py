@@ -2,7 +2,8 @@
 
 Every run is `python -m flame.train` in a subprocess (one process, or ranks over gloo without a
 launcher, or torchrun), on one shared config file: a tiny RWKV7 on CPU reading pre-tokenized
-shards, checkpoints every 3 steps, the two newest kept. FLAME_FAULT_INJECT
+shards, checkpoints every 3 steps, the two newest kept, fused AdamW (so the loop queues step N+1
+before it reads step N, as on GPUs). FLAME_FAULT_INJECT
 (flame/train/fault_injection.py) places the faults; OMP_NUM_THREADS=1 keeps every process's float
 arithmetic in the same order, so that one-process runs are comparable bitwise.
 """
@@ -35,7 +36,8 @@ def write_config(folder: Path) -> Path:
 
     cfg = tiny_config(folder / "unused", training={"steps": STEPS, "seq_len": 32, "batch_size": 2},
                       checkpoint={"enable": True, "interval": INTERVAL, "keep_latest_k": 2},
-                      lr_scheduler={"warmup_steps": 2, "decay_type": "cosine", "lr_min": 1e-4})
+                      lr_scheduler={"warmup_steps": 2, "decay_type": "cosine", "lr_min": 1e-4},
+                      optimizer={"implementation": "fused"})  # the GPU configs' pipelined loop
     path = folder / "faults.toml"
     path.write_text(to_toml(cfg))
     prepare(["--config", str(path), "--out", str(folder / "shards")])

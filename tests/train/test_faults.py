@@ -135,11 +135,9 @@ def signalled(config):
     stages["second signal", "complete"] = complete_steps(dump)
     stages["sigterm"] = run(config, dump, faults="forward:5:SIGTERM")
     stages["sigterm", "complete"] = complete_steps(dump)
-    logged = len(metrics(dump))
     log = config.parent / "signalled.sigusr1.log"
-    proc = start(config, dump, faults="forward:8:sleep=3", log=log)  # step 8 takes 3 s more
-    faults.send_when(proc, signal.SIGUSR1, lambda: any(
-        r.get("step") == 7 for r in metrics(dump)[logged:]))
+    proc = start(config, dump, faults="forward:8:sleep=3", log=log)  # the signal lands in step 8
+    faults.send_when(proc, signal.SIGUSR1, lambda: "sleep=3 at forward of step 8" in log.read_text())
     proc.wait(timeout=60)
     stages["sigusr1"] = faults.Finished(proc.returncode, log.read_text())
     stages["sigusr1", "complete"] = complete_steps(dump)
@@ -495,7 +493,8 @@ def test_a_killed_rank_makes_the_other_exit_with_a_message(two_rank_story):
     (rank0, rank1), seconds, _ = stories["killed"]
     assert rank1.returncode == -signal.SIGKILL
     assert rank0.returncode == 1, rank0.output
-    assert "rank 0: a collective failed after step 5 (the last step this rank finished)" in rank0.output
+    # rank 0 was in step 6's forward, with step 5 queued before it and not read yet
+    assert "rank 0: a collective failed after step 4 (the last step this rank finished)" in rank0.output
     assert "Another rank died or hangs" in rank0.output
 
 
@@ -504,7 +503,7 @@ def test_a_hung_rank_makes_the_other_time_out_with_a_message(two_rank_story):
     dump, stories = two_rank_story
     (rank0, rank1), seconds, _ = stories["hung"]
     assert rank0.returncode == 1, rank0.output
-    assert "rank 0: a collective failed after step 5" in rank0.output
+    assert "rank 0: a collective failed after step 4" in rank0.output
     assert "Timed out" in rank0.output and "collective_timeout_minutes = 0.025 min" in rank0.output
     assert resumed_from(rank0.output) == 4
 
@@ -579,7 +578,8 @@ def test_slurm_time_limit_signal_saves_requeues_and_the_requeued_job_resumes(con
 
     with open(tmp_path / "first.log", "w") as log:
         job = sbatch(0, "forward:3:sleep=4", log)  # step 3 lasts 4 s more: the signal lands in it
-        faults.send_when(job, signal.SIGUSR1, lambda: 2 in losses(dump))
+        faults.send_when(job, signal.SIGUSR1,
+                         lambda: "sleep=4 at forward of step 3" in (tmp_path / "first.log").read_text())
         assert job.wait(timeout=120) == 0
     output = (tmp_path / "first.log").read_text()
     assert "SIGUSR1 from Slurm" in output and "stopped by SIGUSR1 at step 3" in output, output

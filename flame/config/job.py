@@ -8,8 +8,9 @@ Field docstrings (the string right after a field) are the config reference: `--h
 README's reference table are generated from them, so keep them short and exact.
 
 Each field's constraints live in its `metadata`, read by the loader: `ge`, `gt`, `le`, `lt`,
-`ne` (numeric bounds), `choices` (allowed values), `nonempty` (strings and lists), `length` and
-`item_range` (lists: exact length; each item in [low, high)). Facts that involve several fields
+`ne` (numeric bounds), `choices` (allowed values), `nonempty` (strings and lists), `length`,
+`item_range` and `item_choices` (lists: exact length; each item in [low, high); each item one of
+the choices, none twice). Facts that involve several fields
 are checked in `flame.config.loader.cross_field_problems`.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("bfloat16", "float16", "float32")
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 
 
 def one_of(*choices: str) -> dict:
@@ -35,6 +37,10 @@ class Job:
     """Seed for model init, data order and dropout-free determinism."""
     deterministic: bool = False
     """Use deterministic algorithms (slower); needed for bitwise-reproducible GPU runs."""
+    force_unlock: bool = False
+    """Take over the dump folder's lock (.flame.lock) whoever holds it. A run refuses a folder
+    locked by a run that may be alive; use this only when that run is known to be gone (for
+    example killed on another host)."""
 
 
 @dataclass
@@ -152,6 +158,12 @@ class Training:
     """Pack documents into one row per micro-batch and pass cu_seqlens to the kernels."""
     device: str = field(default="auto", metadata=one_of("auto", "cuda", "cpu"))
     """"auto" (CUDA if available), "cuda" or "cpu"."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"],
+                                    metadata={"item_choices": STOP_SIGNALS})
+    """Signals that make every rank finish the current step, save a checkpoint there and exit with
+    code 75 (preempted, resumable); one rank's signal is enough. A second signal while stopping
+    aborts at once with code 76 (the previous complete checkpoint stays). [] keeps the signals'
+    default actions."""
 
 
 @dataclass
@@ -194,6 +206,13 @@ class Checkpoint:
     """Sub-folder of dump_folder holding step-N checkpoints."""
     interval: int = field(default=500, metadata={"ge": 1})
     """Save every this many steps (and at the end)."""
+    interval_minutes: float = field(default=0.0, metadata={"ge": 0})
+    """Also save when this many minutes have passed since the last save began (whichever of steps
+    or minutes comes first), so that a crash never costs more; 0 turns it off."""
+    on_save_error: str = field(default="stop", metadata=one_of("stop", "continue"))
+    """A save that fails (disk full, unwritable folder) has its partial folder removed and leaves
+    the previous checkpoints intact; then "stop" ends the run with the error, "continue" warns and
+    trains on (the next save tries again). The final save and a stop signal's save always stop."""
     keep_latest_k: int = field(default=3, metadata={"ge": 0})
     """Keep only the newest k checkpoints; 0 keeps all."""
     async_mode: str = field(default="disabled", metadata=one_of("disabled", "async"))
@@ -229,6 +248,12 @@ class Parallel:
     """FSDP shard degree; -1 uses every rank not used by replication."""
     data_parallel_replicate_degree: int = field(default=1, metadata={"ge": 1})
     """Replicas for HSDP / DDP-style replication."""
+    init_timeout_minutes: float = field(default=20.0, metadata={"gt": 0})
+    """Collective timeout from the process-group start to the end of the first step (setup, data,
+    checkpoint load, compile)."""
+    collective_timeout_minutes: float = field(default=5.0, metadata={"gt": 0})
+    """Collective timeout after the first step: when a rank dies or hangs, the others stop after
+    this long with an error naming the step, instead of waiting forever."""
 
 
 @dataclass

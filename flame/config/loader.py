@@ -215,7 +215,8 @@ def parse_cli_value(key: Key, text: str) -> Any:
 
 def check_constraints(key: Key, value: Any) -> list[str]:
     """Problems of a well-typed value against the key's metadata: choices, ge, gt, le, lt, ne
-    (numbers), nonempty, length, item_range (lists: each item in [low, high))."""
+    (numbers), nonempty, length, item_range (lists: each item in [low, high)), item_choices (lists:
+    each item one of them, none twice)."""
     c = key.constraints
     problems = []
     if "choices" in c and value not in c["choices"]:
@@ -239,6 +240,14 @@ def check_constraints(key: Key, value: Any) -> list[str]:
         low, high = c["item_range"]
         if any(not low <= v < high for v in value):
             problems.append(f"{key.path} values must each be in [{low}, {high}), got {value!r}")
+    if "item_choices" in c:
+        unknown = [v for v in value if v not in c["item_choices"]]
+        if unknown:
+            choices = ", ".join(map(str, c["item_choices"]))
+            problems.append(f"{key.path}: {', '.join(map(str, unknown))} not among {choices}")
+        repeated = sorted({v for v in value if value.count(v) > 1})
+        if repeated:
+            problems.append(f"{key.path} names {', '.join(map(str, repeated))} more than once")
     return problems
 
 
@@ -280,6 +289,11 @@ def cross_field_problems(cfg: JobConfig) -> list[str]:
         problems.append(
             "training.nan_recovery needs checkpoint.enable = true "
             "(it reloads the last good checkpoint)"
+        )
+    if cfg.checkpoint.interval_minutes > 0 and not cfg.checkpoint.enable:
+        problems.append(
+            f"checkpoint.interval_minutes ({cfg.checkpoint.interval_minutes}) asks for timed saves, "
+            f"but checkpoint.enable = false"
         )
     return problems
 
@@ -564,4 +578,6 @@ def _describe_constraints(c: dict) -> str:
         parts.append(f"{c['length']} values")
     if "item_range" in c:
         parts.append("each in [{}, {})".format(*c["item_range"]))
+    if "item_choices" in c:
+        parts.append("each one of " + "/".join(map(str, c["item_choices"])))
     return "; " + ", ".join(parts) if parts else ""

@@ -1,4 +1,10 @@
-"""Entry point of `python -m flame.train` and of the `flame-train` console script."""
+"""Entry point of `python -m flame.train` and of the `flame-train` console script.
+
+Exit codes: 0 done; 1 a data, checkpoint, lock, collective or non-finite-loss error (the message
+names it); 2 a config error; 75 (PREEMPTED_EXIT_CODE) stopped by a stop signal after saving a
+checkpoint at its last step, run again to resume; 76 (ABORTED_EXIT_CODE) a second signal aborted
+that save, run again to resume from the last complete checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     from flame.config import ConfigError, load_config
     from flame.data import DataError
     from flame.train.checkpoint import CheckpointError
+    from flame.train.parallel import CollectiveFailure
+    from flame.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from flame.train.run_lock import RunLockedError
     from flame.train.trainer import NonFiniteTrainingError, Trainer
 
     try:
@@ -20,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         Trainer(cfg).train()
-    except (DataError, CheckpointError, NonFiniteTrainingError) as err:
+    except Preempted as stop:
+        print(f"flame-train: {stop}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    except (DataError, CheckpointError, NonFiniteTrainingError, RunLockedError,
+            CollectiveFailure) as err:
         print(f"flame-train: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     finally:

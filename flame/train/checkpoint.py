@@ -2,7 +2,9 @@
 
 Layout: `<dump_folder>/<checkpoint.folder>/step-N/`, the DCP shards plus `COMPLETE`, a marker that
 rank 0 writes only after every rank's shards and DCP's metadata are on disk. A folder without the
-marker (a run killed mid-save) is ignored when resuming and removed when that step is saved again.
+marker (a run killed mid-save) is ignored when resuming and removed when that step is saved again;
+a save that fails (disk full, unwritable) removes its folder itself and leaves the older
+checkpoints as they were (keep_latest_k prunes only after a save that succeeded).
 
 What a checkpoint holds (the `state` dict given to `save` / `load`):
 - "model", "optimizer": `Stateful`s built on DCP's `get_state_dict` (FSDP-sharded, FQN-keyed);
@@ -34,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+from flame.train.fault_injection import fault_point
 
 logger = logging.getLogger("flame.train")
 
@@ -85,10 +89,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
-class CheckpointManager:
-    """Saves every `interval` steps and at the end, keeps the newest `keep_latest_k`, resumes."""
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (a host all-reduce; `ok` itself without distribution)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
-    def __init__(self, cfg, dump_folder: str):
+
+class SaveFailed(Exception):
+    """One step of a save failed on some rank (the cause is named in the message)."""
+
+
+class CheckpointManager:
+    """Saves every `interval` steps or `interval_minutes`, at the end and on a stop signal; keeps
+    the newest `keep_latest_k`; resumes. A failed save leaves no partial folder behind and never
+    touches the complete checkpoints before it."""
+
+    def __init__(self, cfg, dump_folder: str, clock=time.monotonic):
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.async_mode = cfg.async_mode
@@ -96,7 +115,9 @@ class CheckpointManager:
             raise ValueError(
                 f"checkpoint.async_mode must be 'disabled' or 'async', got {self.async_mode!r}"
             )
-        self.pending: tuple[int, Future] | None = None
+        self.clock = clock
+        self.last_save_began = clock()
+        self.pending: tuple[int, Future, bool] | None = None
         self.async_group = None
         if self.async_mode == "async" and dist.is_initialized():
             # async saves run their collectives on a separate CPU group, off the training stream
@@ -118,59 +139,129 @@ class CheckpointManager:
                 steps.append(int(match.group(1)))
         return sorted(steps)
 
-    def should_save(self, step: int, last_step: int) -> bool:
+    def save_due_by_time(self) -> bool:
+        """checkpoint.interval_minutes have passed since the last save began (this rank's clock)."""
+        minutes = self.cfg.interval_minutes
+        elapsed = self.clock() - self.last_save_began
+        return self.cfg.enable and minutes > 0 and elapsed >= 60 * minutes
+
+    def should_save(self, step: int, last_step: int, *, time_due: bool = False,
+                    stopping: bool = False) -> bool:
+        """Save at `step`: the interval, the last step, a timed save due or a stop signal."""
         if not self.cfg.enable:
             return False
-        return step == last_step or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
+        return (stopping or time_due or step == last_step
+                or (self.cfg.interval > 0 and step % self.cfg.interval == 0))
 
     # ---- save ----------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Write `state` to step-N; returns at once in async mode (the marker follows later)."""
+    def save(self, step: int, state: dict[str, Any], *, required: bool = False) -> bool:
+        """Write `state` to step-N; in async mode return at once (the marker follows at `wait`).
+
+        A failed save removes its partial folder; then, unless `required` (the final save, a stop
+        signal's save), checkpoint.on_save_error = "continue" logs a warning and returns False,
+        and "stop" raises CheckpointError, on every rank alike."""
         self.wait()
         path = self.step_dir(step)
-        if _is_rank0():
-            if path.exists():  # a stale or partial save of the same step
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        _barrier()
+        self.last_save_began = self.clock()
         start = time.monotonic()
-        logger.info("checkpoint: saving step %d to %s ...", step, path)
-        if self.async_mode == "async":
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group)
-            self.pending = (step, future)
-        else:
+        try:
+            self._create_folder(step)
+            fault_point("save-start", step)
+            logger.info("checkpoint: saving step %d to %s ...", step, path)
+            if self.async_mode == "async":
+                future = dcp.async_save(state, checkpoint_id=str(path),
+                                        process_group=self.async_group)
+                self.pending = (step, future, required)
+                return True
             dcp.save(state, checkpoint_id=str(path))
-            self._finish(step)
-            logger.info("checkpoint: saved step %d in %.1fs", step, time.monotonic() - start)
+            self._mark_complete(step)
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            return self._save_failed(step, err, required)
+        self._prune(step)
+        logger.info("checkpoint: saved step %d in %.1fs", step, time.monotonic() - start)
+        return True
 
-    def wait(self) -> None:
-        """Block until a pending async save is on disk, then mark it complete."""
+    def wait(self) -> bool:
+        """Block until a pending async save is on disk, then mark it complete; False when it
+        failed and the run goes on (see `save`)."""
         if self.pending is None:
-            return
-        step, future = self.pending
+            return True
+        step, future, required = self.pending
         self.pending = None
-        future.result()
-        self._finish(step)
+        try:
+            future.result()
+            self._mark_complete(step)
+        except (Exception, CheckpointException) as err:
+            return self._save_failed(step, err, required)
+        self._prune(step)
         logger.info("checkpoint: async save of step %d complete", step)
+        return True
 
-    def _finish(self, step: int) -> None:
-        _barrier()
+    def _create_folder(self, step: int) -> None:
+        path = self.step_dir(step)
+        error = None
         if _is_rank0():
-            marker = self.step_dir(step) / COMPLETE_MARKER
-            with open(marker, "w") as f:
-                f.write(f"{step}\n")
-                f.flush()
-                os.fsync(f.fileno())
-            self._purge()
+            try:
+                if path.exists():  # a stale or partial save of the same step
+                    shutil.rmtree(path)
+                path.mkdir(parents=True)
+            except OSError as err:
+                error = err
+        if not _everywhere(error is None):
+            raise SaveFailed(f"creating {path}: {_describe(error)}" if error else
+                             f"rank 0 could not create {path}")
+
+    def _mark_complete(self, step: int) -> None:
+        """Every rank's shards and DCP's metadata are on disk: rank 0 writes the marker."""
+        fault_point("save", step)
+        _barrier()
+        marker = self.step_dir(step) / COMPLETE_MARKER
+        error = None
+        if _is_rank0():
+            try:
+                with open(marker, "w") as f:
+                    f.write(f"{step}\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as err:
+                error = err
+                marker.unlink(missing_ok=True)
+        if not _everywhere(error is None):
+            raise SaveFailed(f"writing {marker}: {_describe(error)}" if error else
+                             f"rank 0 could not write {marker}")
+
+    def _prune(self, step: int) -> None:
+        """After the save of `step` succeeded: keep only the newest keep_latest_k checkpoints."""
+        fault_point("purge", step)
+        keep = self.cfg.keep_latest_k
+        if _is_rank0() and keep > 0:
+            for old in self.complete_steps()[:-keep]:
+                shutil.rmtree(self.step_dir(old), ignore_errors=True)
         _barrier()
 
-    def _purge(self) -> None:
-        keep = self.cfg.keep_latest_k
-        if keep <= 0:
-            return
-        for old in self.complete_steps()[:-keep]:
-            shutil.rmtree(self.step_dir(old), ignore_errors=True)
+    def _save_failed(self, step: int, err: BaseException, required: bool) -> bool:
+        path = self.step_dir(step)
+        removed = "its partial folder was removed"
+        if _is_rank0():
+            try:
+                shutil.rmtree(path)
+            except FileNotFoundError:
+                pass
+            except OSError as rm_err:
+                removed = (f"its partial folder could not be removed ({rm_err}); it has no "
+                           f"COMPLETE marker, so resuming ignores it")
+        complete = self.complete_steps()
+        kept = (f"the last complete checkpoint, {self.step_dir(complete[-1])}, is intact"
+                if complete else "there is no complete checkpoint yet")
+        message = (f"checkpoint: saving step {step} to {path} failed: {_describe(err)}; {removed}; "
+                   f"{kept}")
+        if required or self.cfg.on_save_error == "stop":
+            why = "" if self.cfg.on_save_error == "stop" else " (the final or a stop signal's save)"
+            raise CheckpointError(message + why) from _cause(err)
+        logger.warning("%s; training goes on (checkpoint.on_save_error = \"continue\"), the next "
+                       "save tries again", message)
+        return False
 
     # ---- load ----------------------------------------------------------------------------
 
@@ -241,6 +332,23 @@ def load_exported_weights(model: torch.nn.Module, path: str | Path, family: str)
     logger.info("model: weights loaded from %s (model only, a new run)", path)
 
 
-def _first_line(err: Exception) -> str:
+def _describe(err: BaseException) -> str:
+    """The first failure inside DCP's per-rank CheckpointException, else `err`: type and line."""
+    if isinstance(err, SaveFailed):
+        return str(err)
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (cause, _) = next(iter(err.failures.items()))
+        return f"on rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
+    return f"{type(err).__name__}: {_first_line(err)}"
+
+
+def _cause(err: BaseException) -> BaseException | None:
+    """The exception to chain a CheckpointError to: DCP's first per-rank failure, else `err`."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err if isinstance(err, Exception) else None
+
+
+def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0][:500] if text else ""

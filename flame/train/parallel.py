@@ -16,13 +16,20 @@
   block and at the root with the MixedPrecisionPolicy of the config and FSDP's own gradient
   averaging turned off: the loss is already normalised by the global valid-token count, so
   gradients are summed, not averaged.
+- Collectives time out: parallel.init_timeout_minutes until the first step is done, then
+  parallel.collective_timeout_minutes (`ParallelState.set_collective_timeout`), so that a rank
+  that died or hangs stops the others; `collective_failure` names the step in their error (gloo
+  raises), `StallWarning` names it before NCCL's watchdog aborts the process (GPUs).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -70,6 +77,26 @@ class ParallelState:
         dist.all_reduce(t)
         return int(t.item())
 
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """The largest of each integer over all ranks, on the host (gloo): no device sync."""
+        if not self.distributed or self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def set_collective_timeout(self, minutes: float) -> None:
+        """Make the collectives of the world group and of every mesh group time out after
+        `minutes` (gloo raises; NCCL's watchdog aborts the process)."""
+        if not self.distributed or self.world_size == 1:
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        meshes = self.parallel_dims.get_all_one_dimensional_meshes().values()
+        groups = [None] + [mesh.get_group() for mesh in meshes if mesh.size() > 1]
+        for group in groups:
+            _set_pg_timeout(timedelta(minutes=minutes), group)
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a device tensor over all ranks (stays on the device, no host sync)."""
         if not self.distributed or self.world_size == 1:
@@ -95,7 +122,14 @@ def setup_parallel(cfg, device: torch.device) -> ParallelState:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
+        timeout = timedelta(minutes=cfg.parallel.init_timeout_minutes)
+        # torchrun keeps its store across worker restarts (--max-restarts): a prefix per restart
+        # keeps the new ranks from reading the addresses their dead predecessors published there
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"flame-restart-{restart}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
 
     # size-1 mesh axes use the "fake" backend, which this import registers
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
@@ -119,9 +153,40 @@ def setup_parallel(cfg, device: torch.device) -> ParallelState:
     batch_mesh = parallel_dims.get_optional_mesh("batch")
     dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
     dp_world_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
-    return ParallelState(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                         dp_rank=dp_rank, dp_world_size=dp_world_size,
-                         parallel_dims=parallel_dims)
+    state = ParallelState(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
+                          dp_rank=dp_rank, dp_world_size=dp_world_size,
+                          parallel_dims=parallel_dims)
+    state.set_collective_timeout(par.init_timeout_minutes)  # the mesh groups got torch's default
+    return state
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed or timed out: another rank died or hangs."""
+
+
+COLLECTIVE_ERROR_MARKERS = ("gloo", "NCCL", "nccl", "Timed out", "timed out", "Connection reset",
+                            "Connection closed", "ProcessGroup")
+
+
+def collective_failure(err: BaseException, state: ParallelState, last_step: int,
+                       cfg_parallel) -> CollectiveFailure | None:
+    """`err` restated with the step and the likely cause when it is a failed collective of a
+    multi-rank run; None for any other error."""
+    if not state.distributed or state.world_size == 1:
+        return None
+    text = str(err).strip()
+    if not isinstance(err, dist.DistError) and not (
+            type(err) is RuntimeError and any(marker in text for marker in COLLECTIVE_ERROR_MARKERS)):
+        return None
+    first_line = text.splitlines()[0][:400] if text else type(err).__name__
+    return CollectiveFailure(
+        f"rank {state.rank}: a collective failed after step {last_step} (the last step this rank "
+        f"finished): {first_line}. Another rank died or hangs (collectives time out after "
+        f"parallel.init_timeout_minutes = {cfg_parallel.init_timeout_minutes:g} min until the "
+        f"first step is done, parallel.collective_timeout_minutes = "
+        f"{cfg_parallel.collective_timeout_minutes:g} min after it); a restart resumes from the "
+        f"last complete checkpoint"
+    )
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -230,3 +295,38 @@ def autocast(cfg, state: ParallelState):
     if state.fsdp or state.device.type != "cuda" or dtype == torch.float32:
         return nullcontext
     return lambda: torch.autocast(state.device.type, dtype=dtype)
+
+
+class StallWarning:
+    """A thread that warns, once per step, when a step has run for most of the collective timeout.
+
+    On GPUs a collective that times out ends the process from NCCL's watchdog thread, whose
+    message names the collective, not the step: this warning comes first and names the step."""
+
+    def __init__(self, rank: int, timeout_minutes: float, poll_seconds: float = 5.0,
+                 fraction: float = 0.9):
+        self.rank = rank
+        self.limit = 60 * timeout_minutes * fraction
+        self.timeout_minutes = timeout_minutes
+        self.poll_seconds = poll_seconds
+        self.last_step, self.since, self.warned = 0, time.monotonic(), False
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.watch, name="flame-stall-warning", daemon=True)
+        self.thread.start()
+
+    def step_done(self, step: int) -> None:
+        self.last_step, self.since, self.warned = step, time.monotonic(), False
+
+    def watch(self) -> None:
+        while not self.stopped.wait(self.poll_seconds):
+            waited = time.monotonic() - self.since
+            if not self.warned and waited > self.limit:
+                self.warned = True
+                logger.warning(
+                    "rank %d: no step finished for %.1f min since step %d; collectives time out "
+                    "after %g min (parallel.collective_timeout_minutes): if this rank stops then, "
+                    "another rank died or hangs in step %d", self.rank, waited / 60,
+                    self.last_step, self.timeout_minutes, self.last_step + 1)
+
+    def close(self) -> None:
+        self.stopped.set()

@@ -5,6 +5,12 @@ model, optimizer, LR schedule and checkpointer, resume if there is something to 
 One optimizer step = `gradient_accumulation_steps` micro-batches on each data-parallel rank; its
 objective is the token-mean cross-entropy over every valid token of the step, on all ranks (see
 `flame.train.loss`).
+
+Preemption safety lives in its own modules and meets the loop at a few marked places: the
+dump-folder lock (`flame.train.run_lock`, taken in `__init__`), the stop signals and the per-step
+boundary decision (`flame.train.preemption`), the collective-failure message
+(`flame.train.parallel.collective_failure`) and the test-only fault hooks
+(`flame.train.fault_injection`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flame.train import fault_injection
 from flame.train.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -34,7 +41,9 @@ from flame.train.loss import IGNORE_INDEX, count_valid_tokens
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger
 from flame.train.optimizer import build_optimizer
-from flame.train.parallel import ParallelState, autocast, parallelize, setup_parallel
+from flame.train.parallel import ParallelState, autocast, collective_failure, parallelize, setup_parallel
+from flame.train.preemption import Preempted, StepBoundary, StopSignals
+from flame.train.run_lock import RunLock, lock_dump_folder
 
 logger = logging.getLogger("flame.train")
 
@@ -179,6 +188,9 @@ class Trainer:
         setup_logging(self.rank)
         self.seed_everything()
         self.dump_folder = Path(cfg.job.dump_folder)
+        # preemption safety: one run per dump folder (rank 0 holds the lock; a refusal stops all)
+        self.run_lock = RunLock(self.dump_folder, cfg.job.name, force=cfg.job.force_unlock)
+        lock_dump_folder(self.run_lock, self.parallel)
         if self.rank == 0:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(cfg))
@@ -213,6 +225,10 @@ class Trainer:
         self.checkpointer = CheckpointManager(cfg.checkpoint, str(self.dump_folder))
         self.state = TrainState(dp_world_size=self.parallel.dp_world_size)
         self.resume()
+        # preemption safety: stop signals (handled while train() runs), the per-step decision
+        self.stop_signals = StopSignals(cfg.training.stop_signals)
+        self.boundary = StepBoundary(self.parallel, self.stop_signals, self.checkpointer,
+                                     cfg.parallel.collective_timeout_minutes)
 
         # 5. metrics (a resumed run continues its wandb run)
         self.metrics = MetricsLogger(
@@ -304,7 +320,10 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
 
     def train(self, stop_at_step: int | None = None) -> TrainState:
-        """Run the step loop to training.steps (or to `stop_at_step`, as if killed there)."""
+        """Run the step loop to training.steps (or to `stop_at_step`, as if killed there).
+
+        A stop signal (training.stop_signals) on any rank ends it at the next step boundary, the
+        same step on every rank, after a checkpoint there: `Preempted` is raised."""
         cfg = self.cfg
         total_steps = cfg.training.steps
         last_step = total_steps if stop_at_step is None else min(stop_at_step, total_steps)
@@ -315,12 +334,25 @@ class Trainer:
             cfg.training.seq_len,
         )
         self.log_window = (time.perf_counter(), 0, 0)
+        # preemption safety: the folder lock, the stop signals' handlers, test faults
+        lock_dump_folder(self.run_lock, self.parallel)
+        fault_injection.arm(self)
+        self.stop_signals.install()
         try:
             for result in self.run_steps(last_step):
                 self.after_step(result)
             self.checkpointer.wait()
+        except RuntimeError as err:  # preemption safety: a rank died or hangs; name the step
+            failure = collective_failure(err, self.parallel, self.state.step, cfg.parallel)
+            if failure is None:
+                raise
+            raise failure from err
         finally:
             self.metrics.close()
+            self.stop_signals.restore()
+            self.boundary.close()
+            if self.rank == 0:
+                self.run_lock.release()
         logger.info("training: done at step %d, %d tokens, %d skipped step(s)",
                     self.state.step, self.state.tokens, self.state.nan_skips)
         return self.state
@@ -333,14 +365,18 @@ class Trainer:
         overlaps the device's work instead of idling it. The loop pauses (reads a step's numbers
         before queuing the next) where the next step must see exactly this step's weights: before
         a validation or a checkpoint, and at the end; and after every step when the optimizer
-        cannot skip an update on its own (not fused)."""
+        cannot skip an update on its own (not fused); and after a step that a stop signal or a
+        timed checkpoint ends, as every rank decides while the step runs (`StepBoundary`)."""
         pending: LaunchedStep | None = None
         while self.state.step + (pending is not None) < last_step:
             step, previous = self.launch_step(self.next_micro_batches(), pending)
             pending = None
             if previous is not None:
                 yield previous
-            if step.update_queued and not self.pauses_after(self.state.step + 1, last_step):
+            # preemption safety: stop or save after this step? (one host all-reduce, every rank alike)
+            decision = self.boundary.decide(self.state.step + 1)
+            if step.update_queued and not (decision.stop or decision.save_due
+                                           or self.pauses_after(self.state.step + 1, last_step)):
                 pending = step
             else:
                 yield self.resolve_step(step)
@@ -365,8 +401,15 @@ class Trainer:
             self.log_window = (start, tokens, steps)
         if cfg.metrics.val_freq > 0 and step % cfg.metrics.val_freq == 0:
             self.log_validation()
-        if self.checkpointer.should_save(step, total_steps):
-            self.save_checkpoint()
+        # preemption safety: the decision taken while this step ran (run_steps)
+        decision = self.boundary.decision_for(step)
+        if self.checkpointer.should_save(step, total_steps, time_due=decision.save_due,
+                                         stopping=decision.stop):
+            self.save_checkpoint(required=decision.stop or step == total_steps)
+        if decision.stop and step < total_steps:
+            self.checkpointer.wait()
+            saved = self.checkpointer.step_dir(step) if cfg.checkpoint.enable else None
+            raise Preempted(step, decision.signal_name, saved)
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of the next step (a new pass starts at the data's end)."""
@@ -654,8 +697,9 @@ class Trainer:
         state[f"rank_{self.rank}"] = pickle.dumps(rank_state)
         return state
 
-    def save_checkpoint(self) -> None:
-        self.checkpointer.save(self.state.step, self.checkpoint_state())
+    def save_checkpoint(self, required: bool = False) -> None:
+        """Save at this step; `required`: a failure stops the run whatever on_save_error says."""
+        self.checkpointer.save(self.state.step, self.checkpoint_state(), required=required)
 
     def resume(self) -> None:
         """Resume from the latest complete checkpoint (or load_step); else initial_load_path."""

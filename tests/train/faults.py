@@ -1,0 +1,181 @@
+"""Launching, faulting and reading the runs of tests/train/test_faults.py.
+
+Every run is `python -m flame.train` in a subprocess (one process, or ranks over gloo without a
+launcher, or torchrun), on one shared config file: a tiny RWKV7 on CPU reading pre-tokenized
+shards, checkpoints every 3 steps, the two newest kept, fused AdamW (so the loop queues step N+1
+before it reads step N, as on GPUs). FLAME_FAULT_INJECT
+(flame/train/fault_injection.py) places the faults; OMP_NUM_THREADS=1 keeps every process's float
+arithmetic in the same order, so that one-process runs are comparable bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flame.config import to_toml
+from tests.train.helpers import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+INTERVAL = 3
+
+
+def write_config(folder: Path) -> Path:
+    """Tokenize the embedded corpus into shards once, and write the config file of every run."""
+    from flame.data.prepare import main as prepare
+
+    cfg = tiny_config(folder / "unused", training={"steps": STEPS, "seq_len": 32, "batch_size": 2},
+                      checkpoint={"enable": True, "interval": INTERVAL, "keep_latest_k": 2},
+                      lr_scheduler={"warmup_steps": 2, "decay_type": "cosine", "lr_min": 1e-4},
+                      optimizer={"implementation": "fused"})  # the GPU configs' pipelined loop
+    path = folder / "faults.toml"
+    path.write_text(to_toml(cfg))
+    prepare(["--config", str(path), "--out", str(folder / "shards")])
+    cfg.data.shard_dir = str(folder / "shards")
+    path.write_text(to_toml(cfg))
+    return path
+
+
+def environment(faults: str = "", **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLAME_FAULT_INJECT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                        "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", FLAME_FAULT_INJECT=faults, **extra)
+    return env
+
+
+def train_command(config: Path, dump: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "flame.train", "--config", str(config),
+            "--job.dump_folder", str(dump), *overrides]
+
+
+@dataclass
+class Finished:
+    returncode: int
+    output: str
+
+
+def run(config: Path, dump: Path, *overrides: str, faults: str = "", timeout: float = 120) -> Finished:
+    """One process to its end (a fault may end it early)."""
+    done = subprocess.run(train_command(config, dump, *overrides), env=environment(faults),
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return Finished(done.returncode, done.stdout + done.stderr)
+
+
+def start(config: Path, dump: Path, *overrides: str, faults: str = "", log: Path) -> subprocess.Popen:
+    """One process in the background, its output into `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(train_command(config, dump, *overrides), env=environment(faults),
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(config: Path, dump: Path, *overrides: str, faults: str = "", world: int = 2,
+                tag: str = "run") -> list[tuple[subprocess.Popen, Path]]:
+    """`world` ranks joined over gloo, each a plain process (no launcher watching them); rank r
+    logs to `<dump>.<tag>.rank<r>.log`."""
+    port, ranks = free_port(), []
+    for rank in range(world):
+        env = environment(faults, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = dump.parent / f"{dump.name}.{tag}.rank{rank}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(train_command(config, dump, *overrides), env=env, cwd=ROOT,
+                                    stdout=out, stderr=subprocess.STDOUT)
+        ranks.append((proc, log))
+    return ranks
+
+
+def wait_all(ranks, timeout: float = 120) -> list[Finished]:
+    deadline = time.monotonic() + timeout
+    finished = []
+    for proc, log in ranks:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for other, _ in ranks:
+                other.kill()
+            raise AssertionError(f"ranks still running after {timeout}s; logs: "
+                                 + ", ".join(str(log) for _, log in ranks))
+        finished.append(Finished(proc.returncode, log.read_text()))
+    return finished
+
+
+def torchrun(config: Path, dump: Path, *overrides: str, faults: str, nproc: int = 2,
+             max_restarts: int = 0, timeout: float = 240) -> Finished:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+               "--monitor-interval", "0.2", "-m", "flame.train", "--config", str(config),
+               "--job.dump_folder", str(dump), *overrides]
+    done = subprocess.run(command, env=environment(faults), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    return Finished(done.returncode, done.stdout + done.stderr)
+
+
+def wait_for(predicate, timeout: float = 60, what: str = "a condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def metrics(dump: Path) -> list[dict]:
+    path = dump / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(dump: Path) -> dict[int, float]:
+    """step -> loss, the last logged value of each step (a resumed run logs some steps again)."""
+    return {r["step"]: r["loss"] for r in metrics(dump) if "loss" in r}
+
+
+def complete_steps(dump: Path) -> list[int]:
+    folder = dump / "checkpoint"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name.split("-")[1]) for p in folder.iterdir() if (p / "COMPLETE").is_file())
+
+
+def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint (model and optimizer state), read without ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return state
+
+
+def resumed_from(output: str) -> int | None:
+    """The step a run resumed from, from its log; None when it started at step 0."""
+    for line in output.splitlines():
+        if "resumed from " in line and "/step-" in line:
+            return int(line.split("/step-")[1].split(":")[0])
+    return None
+
+
+def send_when(proc: subprocess.Popen, sig: signal.Signals, ready, timeout: float = 60) -> None:
+    wait_for(lambda: ready() or proc.poll() is not None, timeout, f"the moment to send {sig.name}")
+    assert proc.poll() is None, "the run ended before the signal was sent"
+    proc.send_signal(sig)

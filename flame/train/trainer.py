@@ -73,6 +73,9 @@ class StepResult:
     skipped: bool
     first_nonfinite_param: str | None = None
     first_nonfinite_module: str | None = None  # set when the loss itself is non-finite
+    reloaded: bool = False
+    """This step ended a non-finite streak by reloading the last good checkpoint
+    (training.nan_recovery): the trainer's state is that checkpoint's, not this step's."""
 
 
 @dataclass
@@ -399,6 +402,10 @@ class Trainer:
             self.log_window = (time.perf_counter(), 0, 0)
         else:
             self.log_window = (start, tokens, steps)
+        if result.reloaded:
+            # the state is the reloaded checkpoint's, and the next step may already be queued:
+            # no validation or checkpoint for this step
+            return
         if cfg.metrics.val_freq > 0 and step % cfg.metrics.val_freq == 0:
             self.log_validation()
         # preemption safety: the decision taken while this step ran (run_steps)
@@ -528,7 +535,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         result = StepResult(loss_value, norm_value, step.lr, step.valid_tokens, not finite, culprit, module)
         if not finite:
+            reloads = self.reloads
             self.handle_nonfinite(result)
+            result.reloaded = self.reloads != reloads
         return result
 
     def locate_nonfinite_forward(self, micro_batches: list[dict[str, torch.Tensor]]) -> str | None:

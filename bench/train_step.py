@@ -120,20 +120,37 @@ def fla_model_factory(family: str):
 
 
 def host_syncs_of(step) -> list[str]:
-    """Where one call of `step` makes the host wait for the GPU (torch's sync debug mode): the Python
-    line of each synchronizing operation. The trainer's one intended sync per step is among them."""
+    """Where one call of `step` makes the host wait for the GPU (torch's sync debug mode): for each
+    synchronizing operation, its Python call chain from the first frame outside the standard
+    library, innermost last (the warning alone names only the innermost frame, often inside torch).
+    The trainer's one intended sync per step is among them."""
+    import traceback
     import warnings
 
     import torch
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    found = []
+    previous = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()[:-1]
+                      if "/warnings.py" not in f.filename]
+            found.append(" > ".join(frames[-6:]))
+
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = previous
+    return found
 
 
 def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int,

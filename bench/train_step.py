@@ -130,7 +130,6 @@ def host_syncs_of(step) -> list[str]:
     import torch
 
     found = []
-    previous = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
@@ -138,18 +137,14 @@ def host_syncs_of(step) -> list[str]:
                       if "/warnings.py" not in f.filename]
             found.append(" > ".join(frames[-6:]))
 
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = previous
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return found
 
 

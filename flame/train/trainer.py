@@ -488,9 +488,8 @@ class Trainer:
             loss_sum, valid_tokens = self.forward_backward(micro_batches)
         previous_result = None
         if previous is not None:
-            reloads = self.reloads
             previous_result = self.resolve_step(previous)
-            if self.reloads != reloads:
+            if previous_result.reloaded:
                 # the previous step's non-finite streak reloaded a checkpoint: this step's
                 # gradients belong to the weights before the reload
                 self.optimizer.zero_grad(set_to_none=True)

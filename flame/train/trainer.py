@@ -43,6 +43,7 @@ from flame.train.metrics import MetricsLogger
 from flame.train.optimizer import build_optimizer
 from flame.train.parallel import ParallelState, autocast, collective_failure, parallelize, setup_parallel
 from flame.train.preemption import Preempted, StepBoundary, StopSignals
+from flame.train.readback import DeviceScalars
 from flame.train.run_lock import RunLock, lock_dump_folder
 
 logger = logging.getLogger("flame.train")
@@ -86,6 +87,8 @@ class LaunchedStep:
     loss: torch.Tensor
     """The step loss summed over ranks (device)."""
     norms: GradNorms
+    numbers: DeviceScalars
+    """The loss and the gradient norm, copied to the host as soon as they exist."""
     valid_tokens: int
     lr: float
     update_queued: bool
@@ -498,6 +501,7 @@ class Trainer:
         max_norm = self.cfg.training.max_norm
         norms = self.clip_grad_norm(max_norm if max_norm > 0 else math.inf)
         loss = self.parallel.all_reduce_sum(loss_sum)
+        numbers = DeviceScalars(loss, norms.total)
         lr = self.current_lr()
         queued = self.fused_optimizer and valid_tokens > 0
         if queued:
@@ -508,13 +512,14 @@ class Trainer:
             finally:
                 self.optimizer.found_inf = None
             self.optimizer.zero_grad(set_to_none=True)
-        return LaunchedStep(micro_batches, loss, norms, valid_tokens, lr, queued), previous_result
+        return LaunchedStep(micro_batches, loss, norms, numbers, valid_tokens, lr, queued), previous_result
 
     def resolve_step(self, step: LaunchedStep) -> StepResult:
-        """Read a launched step's loss and gradient norm (the one host sync of a step), apply its
+        """Read a launched step's loss and gradient norm (the one host sync of a step, which waits
+        for those two numbers, not for the work queued after them), apply its
         update if it is not queued yet, and count it: a step whose loss or gradient norm is not
         finite is skipped on every rank (both numbers are global) and the LR schedule stays."""
-        loss_value, norm_value = torch.stack([step.loss, step.norms.total.to(step.loss.device)]).tolist()
+        loss_value, norm_value = step.numbers.values()
         self.state.step += 1
         finite = math.isfinite(loss_value) and math.isfinite(norm_value) and step.valid_tokens > 0
         culprit = module = None

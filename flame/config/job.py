@@ -145,6 +145,11 @@ class Training:
     """Gradient reduce dtype under FSDP."""
     compile: bool = False
     """torch.compile each block."""
+    cuda_graphs: bool = True
+    """With training.compile on one CUDA data-parallel rank (no FSDP) and fixed-length batches:
+    replay each compiled block as a CUDA graph (torch.compile's "reduce-overhead" mode), so that
+    the host launches one graph per block instead of every kernel. Off under FSDP and varlen,
+    whose blocks change their inputs' addresses or shapes from call to call."""
     activation_checkpoint: str = field(default="none",
                                        metadata=one_of("none", "full", "selective", "elementwise"))
     """Recomputation in the backward, per block: "none"; "full" (the whole block); "selective"

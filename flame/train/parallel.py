@@ -239,11 +239,27 @@ def recompute_elementwise(block: nn.Module) -> nn.Module:
                               context_fn=partial(create_selective_checkpoint_contexts, keep_matmuls_and_attention))
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block (the repeated unit compiles once and is reused)."""
+def cuda_graphs_enabled(cfg, state: ParallelState) -> bool:
+    """Whether the compiled blocks replay as CUDA graphs: training.cuda_graphs with training.compile
+    on a CUDA device, unless FSDP shards the model (its gathered weights move between calls) or the
+    batches are varlen (their offsets change the chunk counts, and the ops read them on the host)."""
+    if not (cfg.training.compile and cfg.training.cuda_graphs and state.device.type == "cuda"):
+        return False
+    for reason, applies in (("FSDP (two or more data-parallel ranks)", state.fsdp),
+                            ("training.varlen", cfg.training.varlen)):
+        if applies:
+            logger.info("compile: training.cuda_graphs is off under %s", reason)
+            return False
+    return True
+
+
+def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> None:
+    """torch.compile each block (the repeated unit compiles once and is reused); with cuda_graphs,
+    in "reduce-overhead" mode: each call replays the block's kernels as one CUDA graph."""
     for block in model.layers:
-        block.compile()
-    logger.info("compile: %d blocks wrapped with torch.compile", len(model.layers))
+        block.compile(mode="reduce-overhead" if cuda_graphs else None)
+    logger.info("compile: %d blocks wrapped with torch.compile%s", len(model.layers),
+                ", replayed as CUDA graphs" if cuda_graphs else "")
 
 
 def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_dtype: str) -> None:
@@ -274,11 +290,12 @@ def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_
                 dict(zip(names, mesh.shape)), mp.param_dtype, mp.reduce_dtype)
 
 
-def parallelize(model: nn.Module, cfg, state: ParallelState) -> nn.Module:
-    """Activation checkpointing, compile and FSDP, as configured, on a (meta-device) model."""
+def parallelize(model: nn.Module, cfg, state: ParallelState, cuda_graphs: bool = False) -> nn.Module:
+    """Activation checkpointing, compile (as CUDA graphs: `cuda_graphs_enabled`) and FSDP, as
+    configured, on a (meta-device) model."""
     apply_activation_checkpointing(model, cfg.training.activation_checkpoint)
     if cfg.training.compile:
-        apply_compile(model)
+        apply_compile(model, cuda_graphs)
     if state.fsdp:
         apply_fsdp(model, state, cfg.training.mixed_precision_param,
                    cfg.training.mixed_precision_reduce)

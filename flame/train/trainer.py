@@ -41,7 +41,8 @@ from flame.train.loss import IGNORE_INDEX, count_valid_tokens
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger
 from flame.train.optimizer import build_optimizer
-from flame.train.parallel import ParallelState, autocast, collective_failure, parallelize, setup_parallel
+from flame.train.parallel import (ParallelState, autocast, collective_failure, cuda_graphs_enabled, parallelize,
+                                  setup_parallel)
 from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.readback import DeviceScalars
 from flame.train.run_lock import RunLock, lock_dump_folder
@@ -215,6 +216,7 @@ class Trainer:
         logger.info("data: ready in %.1fs", time.monotonic() - start)
 
         # 3. model: built on the meta device, parallelised, materialised, initialised
+        self.cuda_graphs = cuda_graphs_enabled(cfg, self.parallel)
         self.model = self.build_model(model_factory)
         self.autocast = autocast(cfg, self.parallel)
 
@@ -295,7 +297,7 @@ class Trainer:
         start = time.monotonic()
         with torch.device("meta"):
             model = (model_factory or build_model)(self.cfg.model)
-        model = parallelize(model, self.cfg, self.parallel)
+        model = parallelize(model, self.cfg, self.parallel, self.cuda_graphs)
         # materialise in place (swap each parameter's contents, keep the Parameter objects), so that a
         # tied head and embedding stay one parameter; a plain to_empty gives each module a new one
         swap = torch.__future__.get_swap_module_params_on_conversion()
@@ -443,6 +445,8 @@ class Trainer:
         each micro-batch divides its CE sum by it.
         """
         valid_tokens = self.parallel.all_reduce_count(count_valid_tokens(micro_batches))
+        if self.cuda_graphs:
+            self.allocate_grads()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in micro_batches:
             loss = self.loss(batch, 1.0 / max(valid_tokens, 1))
@@ -464,6 +468,7 @@ class Trainer:
         """`scale` * the micro-batch's CE sum over its valid tokens, from the model's fused head
         (the full logits are never held; RWKV7's L2Wrap, when the model has it, is in the gradient)."""
         input_ids, labels, cu_seqlens = self.model_inputs(batch)
+        self.begin_model_call()
         with self.autocast():
             return self.model(input_ids, cu_seqlens=cu_seqlens, labels=labels, loss_scale=scale)
 
@@ -471,8 +476,29 @@ class Trainer:
         """(logits, labels) of a micro-batch: the plain head, for the non-finite search, whose
         hooks then see the head's output too."""
         input_ids, labels, cu_seqlens = self.model_inputs(batch)
+        self.begin_model_call()
         with self.autocast():
             return self.model(input_ids, cu_seqlens=cu_seqlens), labels
+
+    def begin_model_call(self) -> None:
+        """Under CUDA graphs, tell the graphs that a new forward begins: the outputs of the previous
+        micro-batch's replays (whose backward has run) may be overwritten."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def allocate_grads(self) -> None:
+        """Give every trainable parameter a .grad buffer of its own before the backward. Without
+        one, the backward adopts a compiled block's gradient output as .grad, and under CUDA graphs
+        that output lives in the graphs' memory pool, where the next micro-batch's replay of the
+        same backward overwrites it; with one, the gradients are added into it."""
+        for param in self.model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    def zero_grad(self) -> None:
+        """Gradients back to zero for the next step: freed, or, under CUDA graphs, zeroed in place
+        (`allocate_grads`)."""
+        self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over `micro_batches`, this rank's share of the global batch, with
@@ -495,7 +521,7 @@ class Trainer:
             if previous_result.reloaded:
                 # the previous step's non-finite streak reloaded a checkpoint: this step's
                 # gradients belong to the weights before the reload
-                self.optimizer.zero_grad(set_to_none=True)
+                self.zero_grad()
                 with op_value_checks_off():
                     loss_sum, valid_tokens = self.forward_backward(micro_batches)
         max_norm = self.cfg.training.max_norm
@@ -511,7 +537,7 @@ class Trainer:
                 self.optimizer.step()
             finally:
                 self.optimizer.found_inf = None
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
         return LaunchedStep(micro_batches, loss, norms, numbers, valid_tokens, lr, queued), previous_result
 
     def resolve_step(self, step: LaunchedStep) -> StepResult:
@@ -536,7 +562,7 @@ class Trainer:
             self.state.nan_skips += 1
             self.state.consecutive_nan_skips += 1
         if not step.update_queued:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
         result = StepResult(loss_value, norm_value, step.lr, step.valid_tokens, not finite, culprit, module)
         if not finite:
             reloads = self.reloads

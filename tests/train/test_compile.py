@@ -31,30 +31,35 @@ GPU_MODELS = {
 }
 
 
-def gpu_losses(tmp_path, name, family, compile, device="cuda", steps=10, activation_checkpoint="none"):
+def gpu_losses(tmp_path, name, family, compile, device="cuda", steps=10, activation_checkpoint="none",
+               cuda_graphs=True):
     """Losses of `steps` trainer steps of a 10-layer model (past Dynamo's recompile limit of 8, so that
-    every layer has to share the compiled graphs) with bf16 mixed precision (autocast) on one GPU."""
+    every layer has to share the compiled graphs) with bf16 mixed precision (autocast) on one GPU,
+    four micro-batches per step (CUDA graphs replay each block's forward and backward four times)."""
     cfg = tiny_config(tmp_path / name, model={**GPU_MODELS[family], "hidden_size": 256, "num_layers": 10,
                                               "backend": "auto"},
-                      training={"device": device, "compile": compile, "batch_size": 4, "seq_len": 256,
-                                "steps": steps, "activation_checkpoint": activation_checkpoint},
+                      training={"device": device, "compile": compile, "batch_size": 1, "seq_len": 256,
+                                "gradient_accumulation_steps": 4, "steps": steps,
+                                "activation_checkpoint": activation_checkpoint, "cuda_graphs": cuda_graphs},
                       optimizer={"implementation": "fused"})
     trainer = Trainer(cfg, dataloader=())
     out = []
     for seed in range(steps):
         input_ids, labels = random_batches(4, 256, seed=seed)
-        out.append(trainer.train_step(split_rows(input_ids, labels, 4)).loss)
+        out.append(trainer.train_step(split_rows(input_ids, labels, 1)).loss)
     return out
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(GPU_MODELS))
 def test_compiled_training_equals_eager_on_the_gpu(tmp_path, family):
-    """Ten bf16 steps, compiled and eager: the same losses within bf16 noise (fusion changes the
+    """Ten bf16 steps, eager and compiled (replayed as CUDA graphs, also with "elementwise"
+    recomputation, and without graphs): the same losses within bf16 noise (fusion changes the
     rounding of the glue, and the difference grows a little with each update)."""
     eager = gpu_losses(tmp_path, "eager", family, compile=False)
     compiled = gpu_losses(tmp_path, "compiled", family, compile=True)
     elementwise = gpu_losses(tmp_path, "elementwise", family, compile=True, activation_checkpoint="elementwise")
-    for run in (compiled, elementwise):
+    no_graphs = gpu_losses(tmp_path, "no_graphs", family, compile=True, cuda_graphs=False)
+    for run in (compiled, elementwise, no_graphs):
         assert run[0] == pytest.approx(eager[0], rel=5e-3)
         assert run == pytest.approx(eager, rel=2e-2)

@@ -7,6 +7,7 @@ chunks of `chunk_size` tokens (the last one may be partial); chunks never cross 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -31,21 +32,59 @@ _FIXED_TABLES_MAX = 64  # distinct (B, T, chunk size, device) keys kept; a train
 def fixed_length_tables(B: int, T: int, chunk_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cu_seqlens int64 [B+1], chunk_indices int32 [B*NT, 2], chunk_offsets int64 [B+1]) of a fixed-length
     [B, T] batch, memoized per (B, T, chunk_size, device): every chunk op of every layer reads the same
-    few-KB tables, which the kernels only read, instead of building six tiny tensors on the device per call."""
+    few-KB tables, which the kernels only read, instead of building six tiny tensors on the device per call.
+
+    The tables are built outside any CUDA-graph memory pool (`_outside_graph_pools`): a compiled block
+    under CUDA graphs runs its first call with its allocations routed to the graph's pool, where a
+    memoized tensor would be a live allocation that the graph does not own."""
     device = torch.device(device)
     key = (B, T, chunk_size, device)
     tables = _FIXED_TABLES.get(key)
     if tables is None:
         nt = triton.cdiv(T, chunk_size)
-        cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
-        ids = torch.arange(B * nt, device=device, dtype=torch.int32)
-        chunk_indices = torch.stack([ids // nt, ids % nt], dim=1).contiguous()
-        offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * nt
-        tables = (cu, chunk_indices, offsets)
+
+        def build():
+            cu = torch.arange(B + 1, dtype=torch.int64) * T
+            ids = torch.arange(B * nt, dtype=torch.int32)
+            chunk_indices = torch.stack([ids // nt, ids % nt], dim=1).contiguous()
+            offsets = torch.arange(B + 1, dtype=torch.int64) * nt
+            return tuple(t.to(device) for t in (cu, chunk_indices, offsets))
+
+        tables = _outside_graph_pools(build, device)
         if len(_FIXED_TABLES) >= _FIXED_TABLES_MAX:
             _FIXED_TABLES.clear()
         _FIXED_TABLES[key] = tables
     return tables
+
+
+def _outside_graph_pools(build, device: torch.device):
+    """`build()`, with its CUDA allocations taken from the ordinary caching allocator even while this
+    thread allocates to a CUDA-graph pool (CUDA-graph trees route allocations per thread): it runs in a
+    short-lived thread of its own, which waits for its copies before returning. A first call inside a
+    stream capture cannot do that, and says so."""
+    if device.type != "cuda":
+        return build()
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "flame's chunk ops build their fixed-length chunk tables on the first call of each shape, which "
+            "cannot happen inside a CUDA-graph capture: run the op once with this shape before capturing")
+    result: list = []
+
+    def work():
+        try:
+            torch.cuda.set_device(device)
+            tables = build()
+            torch.cuda.current_stream(device).synchronize()
+            result.append(tables)
+        except BaseException as err:  # handed to the caller's thread
+            result.append(err)
+
+    worker = threading.Thread(target=work, name="flame-chunk-tables")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device) -> ChunkLayout:

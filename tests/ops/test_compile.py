@@ -78,14 +78,20 @@ def test_fixed_length_chunk_op_traces_into_one_graph(family, op, extra):
             torch.testing.assert_close(compiled[2][name], grad, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
 
 
-@pytest.mark.parametrize("family", ["rwkv7", "rwkv6", "gsa"])
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv7_cached", "rwkv7_cached_centred", "rwkv6", "gsa"])
 def test_chunk_custom_ops_pass_opcheck(family):
+    """The forward ops' schemas, fake (meta) implementations and compiled autograd; RWKV7 with and
+    without cached intermediates, and in the centred regime (a per-chunk regime record)."""
+    variant = family
+    family = family.split("_")[0]
     importlib.import_module(f"flame.ops.{family}.chunk_triton")  # registers the ops
     inputs = make_inputs(family, B=1, T=20, H=1, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,
                          requires_grad=True, seed=6)
     if family == "rwkv7":
         op = torch.ops.flame.chunk_rwkv7_fwd.default
-        args = tuple(inputs[n] for n in ("r", "w", "k", "v", "a", "b")) + (None, 1.0, None, True, True)
+        bound = -0.5 if variant.endswith("centred") else None
+        args = tuple(inputs[n] for n in ("r", "w", "k", "v", "a", "b")) + (None, 1.0, bound, True, True,
+                                                                           "cached" in variant)
     elif family == "rwkv6":
         op = torch.ops.flame.chunk_rwkv6_fwd.default
         args = tuple(inputs[n] for n in ("r", "k", "v", "w", "u")) + (None, 1.0, True, 64)

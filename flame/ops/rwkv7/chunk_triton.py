@@ -963,7 +963,7 @@ def _backward(plan, saved, r, w, k, v, a, b, hs, scale, has_h0, do, dht):
 
 
 class ChunkRWKV7Function(torch.autograd.Function):
-    """The autograd path for calls the custom ops below do not take (varlen, cached intermediates)."""
+    """The autograd path for calls the custom ops below do not take (varlen)."""
 
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, gate_lower_bound,
@@ -991,80 +991,104 @@ class ChunkRWKV7Function(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------
 # A compiled block traces `torch.ops.flame.chunk_rwkv7_fwd` / `_bwd` as two opaque nodes, so Inductor
 # fuses the glue on both sides of the attention and the block stays one graph. The forward returns
-# every tensor its backward reads (the per-chunk states hs and the WY inverse Tm), whose shapes follow
+# every tensor its backward reads: the per-chunk states hs and the intermediates of `_prepare`, all of
+# them with `cache`, else the WY inverse Tm alone (the others come back empty). Their shapes follow
 # from the input shapes alone for fixed-length calls; varlen calls (chunk counts that depend on the
-# offsets' values) and cached intermediates keep the autograd.Function above.
+# offsets' values) keep the autograd.Function above.
 
 _EMPTY = (0,)
+# the intermediates of `_prepare` that a cached forward hands to the backward, in the ops' order
+_INTERMEDIATES = ("Qs", "Es", "Cs", "As", "regime", "Wm", "Gm", "Mak", "Mqb", "Tm")
 
 
 def _fixed_length_shapes(r, v, gate_lower_bound):
-    """(chunk size, number of chunks) of a fixed-length call, as _Plan chooses them."""
+    """(chunk size, number of chunks, centred) of a fixed-length call, as _Plan chooses them."""
     B, T = r.shape[:2]
     bt = centred_chunk_size(gate_lower_bound)
-    bt = min(bt, 32) if bt is not None else 16
-    return bt, B * triton.cdiv(T, bt)
+    centred = bt is not None
+    bt = min(bt, 32) if centred else 16
+    return bt, B * triton.cdiv(T, bt), centred
+
+
+def _intermediate_shapes(r, gate_lower_bound, cache):
+    """{name: (shape, dtype)} of the intermediates that the forward op returns (empty ones included)."""
+    B, T, H, K = r.shape
+    bt, nt, centred = _fixed_length_shapes(r, r, gate_lower_bound)
+    scan = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
+    f32 = torch.float32
+    full = {"Qs": ((B, T, H, K), scan), "Es": ((B, T, H, bt), scan), "Cs": ((B, T, H, K), scan),
+            "As": ((nt, H, K, K), f32), "regime": ((nt, H) if centred else _EMPTY, torch.int8),
+            "Wm": ((B, T, H, K), f32), "Gm": ((B, T, H, bt), f32), "Mak": ((B, T, H, bt), f32),
+            "Mqb": ((B, T, H, bt), f32), "Tm": ((B, T, H, bt), f32)}
+    return {name: (shape if cache or name == "Tm" else _EMPTY, dtype) for name, (shape, dtype) in full.items()}
 
 
 @torch.library.custom_op("flame::chunk_rwkv7_fwd", mutates_args=())
 def _chunk_rwkv7_fwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                         b: torch.Tensor, h0: torch.Tensor | None, scale: float, gate_lower_bound: float | None,
-                        output_final_state: bool, need_grad: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        output_final_state: bool, need_grad: bool, cache: bool) -> list[torch.Tensor]:
     o, ht, _, hs, saved = _forward(r, w, k, v, a, b, scale, h0, output_final_state, None, gate_lower_bound,
-                                   need_grad, False)
-    empty = r.new_empty(_EMPTY, dtype=torch.float32)
-    return (o, ht if ht is not None else empty, hs if hs is not None else empty.clone(),
-            saved["Tm"] if saved is not None else empty.clone())
+                                   need_grad, cache)
+    saved = saved or {}
+    empty = lambda dtype=torch.float32: r.new_empty(_EMPTY, dtype=dtype)  # noqa: E731
+    shapes = _intermediate_shapes(r, gate_lower_bound, cache and need_grad)
+    return [o, ht if ht is not None else empty(), hs if hs is not None else empty(),
+            *(saved[name] if saved.get(name) is not None else empty(shapes[name][1]) for name in _INTERMEDIATES)]
 
 
 @_chunk_rwkv7_fwd_op.register_fake
-def _(r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad):
+def _(r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad, cache):
     B, T, H, K = r.shape
     V = v.shape[-1]
-    bt, nt = _fixed_length_shapes(r, v, gate_lower_bound)
+    _, nt, _ = _fixed_length_shapes(r, v, gate_lower_bound)
+    shapes = _intermediate_shapes(r, gate_lower_bound, cache)
     f32 = dict(dtype=torch.float32)
-    return (torch.empty_like(v, memory_format=torch.contiguous_format),
+    return [torch.empty_like(v, memory_format=torch.contiguous_format),
             r.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
             r.new_empty((nt, H, K, V) if need_grad else _EMPTY, **f32),
-            r.new_empty((B, T, H, bt) if need_grad else _EMPTY, **f32))
+            *(r.new_empty(shape if need_grad else _EMPTY, dtype=dtype) for shape, dtype in
+              (shapes[name] for name in _INTERMEDIATES))]
 
 
 @torch.library.custom_op("flame::chunk_rwkv7_bwd", mutates_args=())
 def _chunk_rwkv7_bwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                        b: torch.Tensor, hs: torch.Tensor, tm: torch.Tensor, do: torch.Tensor,
-                        dht: torch.Tensor | None, scale: float, gate_lower_bound: float | None, has_h0: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                   torch.Tensor, torch.Tensor]:
+                        b: torch.Tensor, hs: torch.Tensor, intermediates: list[torch.Tensor], do: torch.Tensor,
+                        dht: torch.Tensor | None, scale: float, gate_lower_bound: float | None, has_h0: bool,
+                        cache: bool) -> list[torch.Tensor]:
     r, w, k, v, a, b = (x.contiguous() for x in (r, w, k, v, a, b))
     plan = _Plan(r, v, None, gate_lower_bound)
-    grads = _backward(plan, {"Tm": tm}, r, w, k, v, a, b, hs, scale, has_h0, do, dht)
+    named = dict(zip(_INTERMEDIATES, intermediates))
+    if cache:
+        saved = {name: (x if x.numel() else None) for name, x in named.items()}
+    else:
+        saved = {"Tm": named["Tm"]}
+    grads = _backward(plan, saved, r, w, k, v, a, b, hs, scale, has_h0, do, dht)
     dh0 = grads[-1] if grads[-1] is not None else r.new_empty(_EMPTY, dtype=torch.float32)
-    return (*grads[:-1], dh0)
+    return [*grads[:-1], dh0]
 
 
 @_chunk_rwkv7_bwd_op.register_fake
-def _(r, w, k, v, a, b, hs, tm, do, dht, scale, gate_lower_bound, has_h0):
+def _(r, w, k, v, a, b, hs, intermediates, do, dht, scale, gate_lower_bound, has_h0, cache):
     B, _, H, K = r.shape
     V = v.shape[-1]
-    grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (r, w, k, v, a, b))
-    return (*grads, r.new_empty((B, H, K, V) if has_h0 else _EMPTY, dtype=torch.float32))
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (r, w, k, v, a, b)]
+    return [*grads, r.new_empty((B, H, K, V) if has_h0 else _EMPTY, dtype=torch.float32)]
 
 
 def _setup_context(ctx, inputs, output):
-    r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad = inputs
-    _, _, hs, tm = output
-    ctx.save_for_backward(r, w, k, v, a, b, hs, tm)
-    ctx.scale, ctx.gate_lower_bound = scale, gate_lower_bound
+    r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad, cache = inputs
+    ctx.save_for_backward(r, w, k, v, a, b, *output[2:])
+    ctx.scale, ctx.gate_lower_bound, ctx.cache = scale, gate_lower_bound, cache
     ctx.has_h0, ctx.output_final_state = h0 is not None, output_final_state
 
 
-def _backward_op(ctx, do, dht, dhs, dtm):
-    r, w, k, v, a, b, hs, tm = ctx.saved_tensors
+def _backward_op(ctx, grads):
+    do, dht = grads[0], grads[1]
+    r, w, k, v, a, b, hs, *intermediates = ctx.saved_tensors
     dr, dw, dk, dv, da, db, dh0 = torch.ops.flame.chunk_rwkv7_bwd(
-        r, w, k, v, a, b, hs, tm, do, dht if ctx.output_final_state else None, ctx.scale,
-        ctx.gate_lower_bound, ctx.has_h0)
-    return dr, dw, dk, dv, da, db, (dh0 if ctx.has_h0 else None), None, None, None, None
+        r, w, k, v, a, b, hs, intermediates, do, dht if ctx.output_final_state else None, ctx.scale,
+        ctx.gate_lower_bound, ctx.has_h0, ctx.cache)
+    return dr, dw, dk, dv, da, db, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
 
 _chunk_rwkv7_fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
@@ -1094,12 +1118,13 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
         from .fused_recurrent_triton import fused_recurrent_rwkv7_triton
         return run_eager(fused_recurrent_rwkv7_triton, r, w, k, v, a, b, scale, initial_state, output_final_state,
                          cu_seqlens)
-    if cu_seqlens is None and not cache_intermediates:
+    if cu_seqlens is None:
         need_grad = torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (r, w, k, v, a, b, initial_state))
-        o, ht, _, _ = torch.ops.flame.chunk_rwkv7_fwd(
+        o, ht, *_ = torch.ops.flame.chunk_rwkv7_fwd(
             r, w, k, v, a, b, initial_state, float(scale),
-            None if gate_lower_bound is None else float(gate_lower_bound), bool(output_final_state), need_grad)
+            None if gate_lower_bound is None else float(gate_lower_bound), bool(output_final_state), need_grad,
+            bool(cache_intermediates))
         return o, (ht if output_final_state else None)
     return run_eager(ChunkRWKV7Function.apply, r, w, k, v, a, b, scale, initial_state, output_final_state,
                      cu_seqlens, gate_lower_bound, cache_intermediates)

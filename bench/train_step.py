@@ -4,11 +4,12 @@
     python bench/train_step.py --families rwkv7 --libs flame    # one family, one library
     python bench/train_step.py --families gsa -- --training.compile false   # trainer overrides after --
 
-What it measures (CUDA GPU; bf16 FSDP2 mixed precision on one rank, as `python -m flame.train` runs):
-each family's `configs/<family>_340M.toml` at batch 8 x 2048 x GA 2 and vocab 32000 on the embedded
-corpus (the GPU machines have no network), stepped by `flame.train.Trainer.run_steps`, the loop of
-`python -m flame.train`: the same model wrapping (compile, FSDP), loss, optimizer and step pipelining
-(step N+1 is queued before step N's numbers are read). fla's model of the
+What it measures (one CUDA GPU, as `python -m flame.train` runs there: fp32 weights under bf16
+autocast, no FSDP): each family's `configs/<family>_340M.toml` (32768 tokens per step, vocab 32000)
+on the embedded corpus (the GPU machines have no network), stepped by
+`flame.train.Trainer.run_steps`, the loop of `python -m flame.train`: the same model wrapping
+(compiled blocks replayed as CUDA graphs, activation checkpointing), loss, optimizer and step
+pipelining (step N+1 is queued before step N's numbers are read). fla's model of the
 family (fla 0.6, optional) runs in the same loop in a child process of its own, built through the
 trainer's `model_factory` hook, with flame's loss and optimizer.
 
@@ -21,8 +22,8 @@ Per family and library it reports:
   torch.profiler trace of `--profile-steps` steps, and the host-bound time: wall time per profiled
   step minus the time the GPU was busy (the union of kernel intervals);
 - the number of graphs torch.compile built and whether Dynamo hit a recompile limit (the calls past
-  it run eager), and the Python lines where one step makes the host wait for the GPU (one is the
-  trainer's own, for the loss and grad norm).
+  it run eager), and the Python lines where one step makes the host wait for the GPU (none: the
+  trainer reads the loss and grad norm through an event, `flame.train.readback`).
 
 Each (family, library) runs in its own process so that one failure does not stop the others and
 memory starts clean. Results print as a table and go to `--out` (JSON) when given.
@@ -123,16 +124,18 @@ def host_syncs_of(step) -> list[str]:
     """Where one call of `step` makes the host wait for the GPU (torch's sync debug mode): for each
     synchronizing operation, its Python call chain from the first frame outside the standard
     library, innermost last (the warning alone names only the innermost frame, often inside torch).
-    The trainer's one intended sync per step is among them."""
+    The trainer's read of a step's numbers waits on an event (`flame.train.readback`), which this
+    mode does not report: a correct step reports none."""
     import traceback
     import warnings
 
     import torch
 
     found = []
+    stepping = [False]  # switching the debug mode on reports a sync of its own, outside the step
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if stepping[0] and "synchroniz" in str(message):
             frames = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()[:-1]
                       if "/warnings.py" not in f.filename]
             found.append(" > ".join(frames[-6:]))
@@ -141,9 +144,11 @@ def host_syncs_of(step) -> list[str]:
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
+        stepping[0] = True
         try:
             step()
         finally:
+            stepping[0] = False
             torch.cuda.set_sync_debug_mode("default")
     return found
 

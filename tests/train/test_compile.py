@@ -63,3 +63,29 @@ def test_compiled_training_equals_eager_on_the_gpu(tmp_path, family):
     for run in (compiled, elementwise, no_graphs):
         assert run[0] == pytest.approx(eager[0], rel=5e-3)
         assert run == pytest.approx(eager, rel=2e-2)
+
+
+@pytest.mark.gpu
+def test_a_non_finite_micro_batch_is_skipped_under_cuda_graphs(tmp_path):
+    """A NaN in one micro-batch of a step, with the blocks replayed as CUDA graphs: that step is
+    skipped, the non-finite search names a module, and the next steps train on finite numbers."""
+    import math
+
+    cfg = tiny_config(tmp_path, model={**GPU_MODELS["rwkv7"], "hidden_size": 256, "num_layers": 2,
+                                       "backend": "auto"},
+                      training={"device": "cuda", "compile": True, "batch_size": 1, "seq_len": 256,
+                                "gradient_accumulation_steps": 2, "steps": 6},
+                      optimizer={"implementation": "fused"})
+    trainer = Trainer(cfg, dataloader=())
+    assert trainer.cuda_graphs
+    poisoned = {"on": False}
+    trainer.model.embeddings.register_forward_hook(
+        lambda module, inputs, out: out * math.nan if poisoned["on"] else out)
+    results = []
+    for step in range(6):
+        input_ids, labels = random_batches(2, 256, seed=step)
+        poisoned["on"] = step == 3
+        results.append(trainer.train_step(split_rows(input_ids, labels, 1)))
+    assert [r.skipped for r in results] == [False, False, False, True, False, False]
+    assert results[3].first_nonfinite_module is not None
+    assert all(math.isfinite(r.loss) for i, r in enumerate(results) if i != 3)

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from flame.models.init import default_init_skipped
-from flame.models.precision import to_compute_dtype
 from flame.models.state import LayerState
+from flame.ops.dtypes import to_compute_dtype
 from flame.ops.linear_cross_entropy import linear_cross_entropy
 from flame.models.token_shift import check_cu_seqlens
 
@@ -99,7 +99,7 @@ class CausalLM(nn.Module):
             )
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1])
-        x = to_compute_dtype(self.embeddings(input_ids))
+        x, = to_compute_dtype(self.embeddings(input_ids))
         x = self.norm(self._run_layers(x, cu_seqlens))
         if labels is None:
             return self.lm_head(x)
@@ -131,7 +131,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"state has {len(state)} layer states for a model of {len(self.layers)} layers")
         else:
             states = [dataclasses.replace(s) for s in state]
-        x = self._run_layers_with_state(to_compute_dtype(self.embeddings(input_ids)), states)
+        x, = to_compute_dtype(self.embeddings(input_ids))
+        x = self._run_layers_with_state(x, states)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)), states

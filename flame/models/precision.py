@@ -5,23 +5,16 @@ activation. Under `torch.autocast` with fp32 parameters (one GPU, or a user's ow
 runs the matmuls in bf16, but an elementwise op that meets an fp32 parameter promotes to fp32, and
 norms return fp32: the residual stream and the glue between the matmuls would run in fp32, at twice
 the memory traffic and activation memory. The models therefore keep activations in the compute
-dtype: the embedding output is cast to it (`to_compute_dtype`), norms return their input's dtype
-(`LayerNorm`, `GroupNorm`, `RMSNorm`), and a per-channel parameter is cast to the activation's
-dtype where it meets an activation (`like`). Without autocast all three leave the dtypes alone.
+dtype: the embedding output is cast to it (`flame.ops.dtypes.to_compute_dtype`), norms return
+their input's dtype (`LayerNorm`, `GroupNorm`, `RMSNorm`), and a per-channel parameter is cast to
+the activation's dtype where it meets an activation (`like`). Without autocast all three leave the
+dtypes alone.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-
-def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x in the autocast dtype of its device when autocast is on there, else unchanged."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x
 
 
 def like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -85,8 +85,6 @@ class LaunchedStep:
     """An optimizer step whose work is queued on the device and whose numbers are not read yet."""
 
     micro_batches: list[dict[str, torch.Tensor]]
-    loss: torch.Tensor
-    """The step loss summed over ranks (device)."""
     norms: GradNorms
     numbers: DeviceScalars
     """The loss and the gradient norm, copied to the host as soon as they exist."""
@@ -538,7 +536,7 @@ class Trainer:
             finally:
                 self.optimizer.found_inf = None
             self.zero_grad()
-        return LaunchedStep(micro_batches, loss, norms, numbers, valid_tokens, lr, queued), previous_result
+        return LaunchedStep(micro_batches, norms, numbers, valid_tokens, lr, queued), previous_result
 
     def resolve_step(self, step: LaunchedStep) -> StepResult:
         """Read a launched step's loss and gradient norm (the one host sync of a step, which waits

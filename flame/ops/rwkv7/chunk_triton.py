@@ -1001,7 +1001,7 @@ _EMPTY = (0,)
 _INTERMEDIATES = ("Qs", "Es", "Cs", "As", "regime", "Wm", "Gm", "Mak", "Mqb", "Tm")
 
 
-def _fixed_length_shapes(r, v, gate_lower_bound):
+def _fixed_length_shapes(r, gate_lower_bound):
     """(chunk size, number of chunks, centred) of a fixed-length call, as _Plan chooses them."""
     B, T = r.shape[:2]
     bt = centred_chunk_size(gate_lower_bound)
@@ -1013,7 +1013,7 @@ def _fixed_length_shapes(r, v, gate_lower_bound):
 def _intermediate_shapes(r, gate_lower_bound, cache):
     """{name: (shape, dtype)} of the intermediates that the forward op returns (empty ones included)."""
     B, T, H, K = r.shape
-    bt, nt, centred = _fixed_length_shapes(r, r, gate_lower_bound)
+    bt, nt, centred = _fixed_length_shapes(r, gate_lower_bound)
     scan = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
     f32 = torch.float32
     full = {"Qs": ((B, T, H, K), scan), "Es": ((B, T, H, bt), scan), "Cs": ((B, T, H, K), scan),
@@ -1040,7 +1040,7 @@ def _chunk_rwkv7_fwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: to
 def _(r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad, cache):
     B, T, H, K = r.shape
     V = v.shape[-1]
-    _, nt, _ = _fixed_length_shapes(r, v, gate_lower_bound)
+    _, nt, _ = _fixed_length_shapes(r, gate_lower_bound)
     shapes = _intermediate_shapes(r, gate_lower_bound, cache)
     f32 = dict(dtype=torch.float32)
     return [torch.empty_like(v, memory_format=torch.contiguous_format),

@@ -166,8 +166,12 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
     total = warmup + steps + 1 + profile_steps + 1
     if lib == "fla":
         # fla's model does not compile: Inductor rejects the in-place use of views that its custom
-        # autograd Functions return (torch 2.11); it runs eager, with its own fused Triton glue
-        overrides = [*overrides, "--training.compile", "false"]
+        # autograd Functions return (torch 2.11); it runs eager, with its own fused Triton glue.
+        # Nor does it take flame's "elementwise" recomputation: eager, that policy is a dispatch mode
+        # that sees every op (hundreds of ms of host time per step), and fla's RWKV6 mutates a tensor
+        # that the policy caches ("Tensor cached during selective activation checkpoint has been
+        # mutated"); it keeps every activation, as fla's own trainer does by default
+        overrides = [*overrides, "--training.compile", "false", "--training.activation_checkpoint", "none"]
     with tempfile.TemporaryDirectory() as dump:
         cfg = load_config(trainer_args(family, total, dump, overrides))
         factory = fla_model_factory(family) if lib == "fla" else None

@@ -217,15 +217,35 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.a
 
 def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     """The "elementwise" policy: a block saves for its backward the outputs of its matrix
-    products and of flame's attention ops (namespace `flame`), and recomputes the rest (norms,
-    token shift and lerps, gates, activations). Compiled, the recomputation runs inside the
-    backward's fused kernels, which read the saved matmul outputs anyway: rwkv7_340M at batch
-    8 x 2048 saves ~15 GiB instead of ~30 per micro-batch, for ~7% more GPU time (H100, bf16)."""
+    products, of flame's attention ops (namespace `flame`) and of autocast's casts of its
+    parameters, and recomputes the rest (norms, token shift and lerps, gates, activations).
+    Compiled, the recomputation runs inside the backward's fused kernels, which read the saved
+    matmul outputs anyway: rwkv7_340M at batch 8 x 2048 saves ~15 GiB instead of ~30 per
+    micro-batch, for ~7% more GPU time (H100, bf16). A recomputed weight cast would instead be a
+    kernel of its own that reads every fp32 weight a second time per micro-batch, to save the
+    bf16 copies of the weights (0.7 GiB for 340M parameters)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     if func in _MATMULS or func.namespace == "flame":
         return CheckpointPolicy.MUST_SAVE
+    if func in _CASTS and _is_parameter(args[0]):
+        return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def _is_parameter(t) -> bool:
+    """Whether `t` is a module parameter: the nn.Parameter itself in eager mode; under torch.compile
+    the functional wrapper of the fake tensor that Dynamo marks as a parameter (`_is_param`)."""
+    if isinstance(t, nn.Parameter):
+        return True
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if isinstance(t, FunctionalTensor):
+        t = torch._from_functional_tensor(t.elem)
+    return bool(getattr(t, "_is_param", False))
 
 
 def recompute_elementwise(block: nn.Module) -> nn.Module:

@@ -33,3 +33,53 @@ def test_unknown_activation_checkpoint_mode_is_named(tmp_path):
     with pytest.raises(ValueError, match="activation_checkpoint"):
         Trainer(tiny_config(tmp_path, training={"activation_checkpoint": "sometimes"}),
                 dataloader=())
+
+
+def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_path):
+    """Compiled under autocast, an "elementwise" block's backward recomputes its norms and lerps but
+    takes autocast's bf16 copies of the weights from the forward: a recomputed cast would read every
+    fp32 weight a second time per micro-batch."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from flame.models import build_model
+    from flame.ops.checks import set_value_checks, value_checks_enabled
+    from flame.train.parallel import recompute_elementwise
+
+    cfg = tiny_config(tmp_path, model={"hidden_size": 64, "num_layers": 2, "head_dim": 16, "backend": "triton"})
+    model = build_model(cfg.model)
+    model.init_weights()
+    block = recompute_elementwise(model.layers[1])
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm.graph
+            return gm
+        return compiler
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    checks = value_checks_enabled()
+    set_value_checks(False)  # their host read would break the graph
+    try:
+        compiled = torch.compile(block, backend=backend)
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = compiled(x, torch.randn(2, 32, 64))
+        out.float().sum().backward()
+    finally:
+        set_value_checks(checks)
+
+    backward = graphs["backward"]
+    inputs = {node for node in backward.nodes if node.op == "placeholder"}
+    recasts = [node for node in backward.nodes
+               if node.target in (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+               and node.args[0] in inputs and node.args[0].meta["val"].dtype == torch.float32
+               and node.args[0].meta["val"].dim() == 2]
+    assert not recasts, [str(node) for node in recasts]
+    recomputed = {node.target for node in backward.nodes}
+    assert torch.ops.aten.native_layer_norm.default in recomputed
+    assert torch.ops.aten.addcmul.default in recomputed

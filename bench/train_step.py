@@ -2,10 +2,11 @@
 
     python bench/train_step.py                                  # rwkv7, rwkv6, gsa; flame (and fla if installed)
     python bench/train_step.py --families rwkv7 --libs flame    # one family, one library
+    python bench/train_step.py --size 1B --libs flame           # the 1B configs
     python bench/train_step.py --families gsa -- --training.compile false   # trainer overrides after --
 
 What it measures (one CUDA GPU, as `python -m flame.train` runs there: fp32 weights under bf16
-autocast, no FSDP): each family's `configs/<family>_340M.toml` (32768 tokens per step, vocab 32000)
+autocast, no FSDP): each family's `configs/<family>_340M.toml` (or `--size 1B`; 32768 tokens per step, vocab 32000)
 on the embedded corpus (the GPU machines have no network), stepped by
 `flame.train.Trainer.run_steps`, the loop of `python -m flame.train`: the same model wrapping
 (compiled blocks replayed as CUDA graphs, activation checkpointing), loss, optimizer and step
@@ -51,10 +52,13 @@ FAMILIES = ("rwkv7", "rwkv6", "gsa")
 LIBS = ("flame", "fla")
 
 
-def trainer_args(family: str, steps: int, dump_folder: str, overrides: list[str]) -> list[str]:
+SIZES = ("340M", "1B")
+
+
+def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides: list[str]) -> list[str]:
     """The command line of `python -m flame.train` that the benchmark steps through."""
     return [
-        "--config", str(REPO / "configs" / f"{family}_340M.toml"),
+        "--config", str(REPO / "configs" / f"{family}_{size}.toml"),
         "--data.dataset", "embedded", "--data.tokenizer", "", "--data.streaming", "false",
         "--data.num_workers", "0", "--model.vocab_size", "32000",
         "--training.steps", str(steps), "--checkpoint.enable", "false",
@@ -153,7 +157,7 @@ def host_syncs_of(step) -> list[str]:
     return found
 
 
-def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int,
+def run_child(family: str, size: str, lib: str, steps: int, warmup: int, profile_steps: int,
               overrides: list[str], host_top: int = 0, trace: str | None = None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -173,7 +177,7 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
         # mutated"); it keeps every activation, as fla's own trainer does by default
         overrides = [*overrides, "--training.compile", "false", "--training.activation_checkpoint", "none"]
     with tempfile.TemporaryDirectory() as dump:
-        cfg = load_config(trainer_args(family, total, dump, overrides))
+        cfg = load_config(trainer_args(family, size, total, dump, overrides))
         factory = fla_model_factory(family) if lib == "fla" else None
         trainer = Trainer(cfg, model_factory=factory)
         torch.cuda.reset_peak_memory_stats()
@@ -246,7 +250,7 @@ def run_child(family: str, lib: str, steps: int, warmup: int, profile_steps: int
         # every kernel above 0.05 ms per step, so that the glue's kernels can be told apart
         top = [kv for kv in sorted(by_kernel.items(), key=lambda kv: -kv[1]) if kv[1] >= 0.05]
         return {
-            "family": family, "lib": lib, "compile": cfg.training.compile,
+            "family": family, "size": size, "lib": lib, "compile": cfg.training.compile,
             "compiled_graphs": graphs, "recompile_limit_hits": recompile_limit_hits,
             "host_syncs_per_step": syncs,
             "tokens_per_s": tokens_per_step / statistics.median(timed),
@@ -276,6 +280,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--size", default="340M", choices=SIZES, help="which shipped configs: configs/<family>_<size>.toml")
     parser.add_argument("--libs", default=",".join(LIBS))
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, autotune)")
@@ -292,7 +297,7 @@ def main() -> int:
 
     if args.child:
         family, lib, out = args.child.split(":", 2)
-        result = run_child(family, lib, args.steps, args.warmup, args.profile_steps, overrides,
+        result = run_child(family, args.size, lib, args.steps, args.warmup, args.profile_steps, overrides,
                            args.host_profile, args.trace)
         Path(out).write_text(json.dumps(result))
         return 0
@@ -305,7 +310,8 @@ def main() -> int:
         for lib in libs:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 out = tmp.name
-            cmd = [sys.executable, __file__, "--child", f"{family}:{lib}:{out}", "--steps", str(args.steps),
+            cmd = [sys.executable, __file__, "--child", f"{family}:{lib}:{out}", "--size", args.size,
+                   "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
                    "--host-profile", str(args.host_profile), *(["--trace", args.trace] if args.trace else []),
                    "--", *overrides]
@@ -319,7 +325,7 @@ def main() -> int:
             if code == 0:
                 result = json.loads(Path(out).read_text())
             else:
-                result = {"family": family, "lib": lib, "error": f"exit {code}"}
+                result = {"family": family, "size": args.size, "lib": lib, "error": f"exit {code}"}
             result["run_s"] = time.monotonic() - start
             os.unlink(out)
             results.append(result)
@@ -333,10 +339,10 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['family']} | {r['lib']} | - | {r['error']} | | | | | |")
+            print(f"| {r['family']}_{r['size']} | {r['lib']} | - | {r['error']} | | | | | |")
             continue
         kinds = " / ".join(f"{r['gpu_ms_per_step'][k]:.1f}" for k in KINDS)
-        print(f"| {r['family']}_340M | {r['lib']} | {r['compile']} | {r['tokens_per_s'] / 1e3:.1f}K | "
+        print(f"| {r['family']}_{r['size']} | {r['lib']} | {r['compile']} | {r['tokens_per_s'] / 1e3:.1f}K | "
               f"{r['peak_gib']:.1f} | {r['first_step_s']:.1f} | {kinds} | {r['gpu_busy_ms_per_step']:.1f} | "
               f"{r['host_bound_ms_per_step']:.1f} |")
     if args.out:

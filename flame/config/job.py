@@ -86,7 +86,7 @@ class Model:
     cache_intermediates: bool = False
     """RWKV7 only, Triton kernels: keep the chunk forward's per-chunk intermediates for the backward
     instead of recomputing them: 1600 bytes per token, head and layer (rwkv7_340M at batch 8 x 2048:
-    +8.3 GiB) for a ~10% faster attention (rwkv7_340M, one H100: 93.1K instead of 89.7K tokens/s)."""
+    +8.3 GiB) for a ~10% faster attention (rwkv7_340M on one H100: about 4% more tokens/s)."""
 
 
 @dataclass

@@ -790,6 +790,21 @@ def _check_kernel_dtype(op, r):
                         "use backend='torch' for float64")
 
 
+def _scan_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the scans' per-token operands Q', E, C: bf16 for bf16 inputs, else fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _intermediate_specs(B, T, H, K, BT, NT, centred, scan_dtype) -> dict:
+    """{name: (shape, dtype)} of every intermediate `_prepare` can write (shape None: not written, the
+    regime outside the centred regime)."""
+    f32 = torch.float32
+    per_k, per_t = (B, T, H, K), (B, T, H, BT)
+    return {"Qs": (per_k, scan_dtype), "Es": (per_t, scan_dtype), "Cs": (per_k, scan_dtype),
+            "As": ((NT, H, K, K), f32), "regime": ((NT, H) if centred else None, torch.int8),
+            "Wm": (per_k, f32), "Gm": (per_t, f32), "Mak": (per_t, f32), "Mqb": (per_t, f32), "Tm": (per_t, f32)}
+
+
 class _Plan:
     """Everything the kernels need to know about one call's shapes and regime."""
 
@@ -844,7 +859,7 @@ class _Plan:
         self.lowp = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
         # Q', E, C (the scans' per-token operands) in bf16 for bf16 inputs; states, A and the backward's
         # W, G, Tm, M^ak, M^qb stay fp32 (in bf16 those cost da and db 4x the error on the trained head)
-        self.scan_dtype = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
+        self.scan_dtype = _scan_dtype(r.dtype)
         # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) in the state side's products and all four
         # reductions over V of `_bwd_maps` (dQ' = dO S^T, dE = dO V^T, dA, dC) and in the column side's
         # products of `_bwd_intra`, whose errors stay in the chunk's gradients and never enter a
@@ -867,20 +882,16 @@ def _prepare(plan, q, w, k, a, b, scale, store_bwd, keep_tm, tm=None):
     """The per-chunk matrices of the scans (Q', E, C in plan.scan_dtype, A fp32) and, in the centred regime,
     each chunk's regime (int8 [NT, H], 1: centred); with store_bwd also W, G, M^ak, M^qb (fp32) for the
     backward; with keep_tm also the inverse Tm (fp32), or, given tm (a previous call's), that one."""
-    B, T, H, K, BT = plan.B, plan.T, plan.H, plan.K, plan.BT
-    dev = q.device
-    it = dict(dtype=plan.scan_dtype, device=dev)
-    f32 = dict(dtype=torch.float32, device=dev)
-    out = dict(Qs=torch.empty(B, T, H, K, **it), Es=torch.empty(B, T, H, BT, **it), Cs=torch.empty(B, T, H, K, **it),
-               As=torch.empty(plan.NT, H, K, K, **f32),
-               regime=torch.empty(plan.NT, H, dtype=torch.int8, device=dev) if plan.centred else None)
-    if store_bwd:
-        out.update(Wm=torch.empty(B, T, H, K, **f32), Gm=torch.empty(B, T, H, BT, **f32),
-                   Mak=torch.empty(B, T, H, BT, **f32), Mqb=torch.empty(B, T, H, BT, **f32))
+    H, K, BT = plan.H, plan.K, plan.BT
+    specs = _intermediate_specs(plan.B, plan.T, H, K, BT, plan.NT, plan.centred, plan.scan_dtype)
+    names = ["Qs", "Es", "Cs", "As", "regime"] + (["Wm", "Gm", "Mak", "Mqb"] if store_bwd else [])
+    if tm is None and keep_tm:
+        names.append("Tm")
+    out = {name: None if specs[name][0] is None else torch.empty(specs[name][0], dtype=specs[name][1],
+                                                                 device=q.device)
+           for name in names}
     if tm is not None:
         out["Tm"] = tm
-    elif keep_tm:
-        out["Tm"] = torch.empty(B, T, H, BT, **f32)
     for mode in plan.modes:
         _prepare_kernel[plan.grid(mode)](
             q, w, k, a, b, plan.cu, plan.chunk_info, scale, plan.lower_bound,
@@ -1014,13 +1025,9 @@ def _intermediate_shapes(r, gate_lower_bound, cache):
     """{name: (shape, dtype)} of the intermediates that the forward op returns (empty ones included)."""
     B, T, H, K = r.shape
     bt, nt, centred = _fixed_length_shapes(r, gate_lower_bound)
-    scan = torch.bfloat16 if r.dtype == torch.bfloat16 else torch.float32
-    f32 = torch.float32
-    full = {"Qs": ((B, T, H, K), scan), "Es": ((B, T, H, bt), scan), "Cs": ((B, T, H, K), scan),
-            "As": ((nt, H, K, K), f32), "regime": ((nt, H) if centred else _EMPTY, torch.int8),
-            "Wm": ((B, T, H, K), f32), "Gm": ((B, T, H, bt), f32), "Mak": ((B, T, H, bt), f32),
-            "Mqb": ((B, T, H, bt), f32), "Tm": ((B, T, H, bt), f32)}
-    return {name: (shape if cache or name == "Tm" else _EMPTY, dtype) for name, (shape, dtype) in full.items()}
+    specs = _intermediate_specs(B, T, H, K, bt, nt, centred, _scan_dtype(r.dtype))
+    return {name: (shape if shape is not None and (cache or name == "Tm") else _EMPTY, dtype)
+            for name, (shape, dtype) in specs.items()}
 
 
 @torch.library.custom_op("flame::chunk_rwkv7_fwd", mutates_args=())

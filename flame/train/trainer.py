@@ -217,6 +217,9 @@ class Trainer:
         self.cuda_graphs = cuda_graphs_enabled(cfg, self.parallel)
         self.model = self.build_model(model_factory)
         self.autocast = autocast(cfg, self.parallel)
+        self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]
+        # one rank: the step's gradients, one fp32 buffer per trainable parameter (`backward`)
+        self.grad_buffers = [] if self.parallel.fsdp else [torch.empty_like(p) for p in self.trainable_params]
 
         # 4. optimizer, LR schedule, checkpoints (and a resume when there is one)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -436,22 +439,57 @@ class Trainer:
         return micro_batches
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
-        """Accumulate the gradients of the step objective.
+        """Compute the gradients of the step objective: after it, each trainable parameter's .grad
+        holds the sum of the micro-batches' gradients (`backward`), whatever it held before.
 
         Returns (this rank's share of the step loss, as a device tensor; the step's valid-token
         count over all micro-batches and ranks). That count is known before the first forward, so
         each micro-batch divides its CE sum by it.
         """
         valid_tokens = self.parallel.all_reduce_count(count_valid_tokens(micro_batches))
-        if self.cuda_graphs:
-            self.allocate_grads()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for batch in micro_batches:
+        if self.parallel.fsdp:
+            self.zero_grad()
+        elif not micro_batches and self.grad_buffers:
+            torch._foreach_zero_(self.grad_buffers)
+        for index, batch in enumerate(micro_batches):
             loss = self.loss(batch, 1.0 / max(valid_tokens, 1))
-            loss.backward()
+            self.backward(loss, first=index == 0)
             loss_sum += loss.detach()
             del loss
+        if not self.parallel.fsdp:
+            for param, buffer in zip(self.trainable_params, self.grad_buffers):
+                param.grad = buffer
         return loss_sum, valid_tokens
+
+    def backward(self, loss: torch.Tensor, first: bool) -> None:
+        """Add one micro-batch's gradients to the step's; `first`: the step's first micro-batch.
+
+        Under FSDP, `loss.backward()`: FSDP's hooks reduce-scatter each gradient and accumulate the
+        shards in .grad. On one rank, `torch.autograd.grad` returns the micro-batch's gradients and
+        two foreach ops put them into `grad_buffers`, fp32 buffers allocated once: the first
+        micro-batch copies into them, so they need no zeroing and nothing of an earlier step
+        survives; later ones add. Autograd's own accumulation into .grad would be one add kernel
+        per parameter and micro-batch plus a memset of every gradient per step, and under CUDA
+        graphs .grad has to be a buffer of its own anyway: a compiled block's gradient output
+        lives in the graphs' memory pool, where the next micro-batch's replay overwrites it (the
+        copy here is queued before that replay). A parameter that the loss does not reach (None
+        from autograd) gets a zero gradient on the first micro-batch and nothing on the others."""
+        if self.parallel.fsdp:
+            loss.backward()
+            return
+        grads = torch.autograd.grad(loss, self.trainable_params, allow_unused=True)
+        buffers, sources, unused = [], [], []
+        for buffer, grad in zip(self.grad_buffers, grads):
+            if grad is None:
+                unused.append(buffer)
+            else:
+                buffers.append(buffer)
+                sources.append(grad)
+        if first and unused:
+            torch._foreach_zero_(unused)
+        if buffers:
+            (torch._foreach_copy_ if first else torch._foreach_add_)(buffers, sources)
 
     def model_inputs(self, batch: dict[str, torch.Tensor]):
         """(input_ids, labels, cu_seqlens or None) of a micro-batch, on the device."""
@@ -484,19 +522,14 @@ class Trainer:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
-    def allocate_grads(self) -> None:
-        """Give every trainable parameter a .grad buffer of its own before the backward. Without
-        one, the backward adopts a compiled block's gradient output as .grad, and under CUDA graphs
-        that output lives in the graphs' memory pool, where the next micro-batch's replay of the
-        same backward overwrites it; with one, the gradients are added into it."""
-        for param in self.model.parameters():
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
-
     def zero_grad(self) -> None:
-        """Gradients back to zero for the next step: freed, or, under CUDA graphs, zeroed in place
-        (`allocate_grads`)."""
-        self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
+        """End the step's gradients: every parameter's .grad back to None. Under FSDP that frees
+        the gradient shards, and the next backward starts new ones. On one rank `grad_buffers`
+        keep the memory, which the next `forward_backward` overwrites, so nothing is zeroed; .grad
+        is None in between so that nothing reads a finished step's gradients as current (DCP's
+        optimizer state_dict, for one, skips initialising an empty optimizer state when
+        gradients are present)."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over `micro_batches`, this rank's share of the global batch, with
@@ -518,8 +551,7 @@ class Trainer:
             previous_result = self.resolve_step(previous)
             if previous_result.reloaded:
                 # the previous step's non-finite streak reloaded a checkpoint: this step's
-                # gradients belong to the weights before the reload
-                self.zero_grad()
+                # gradients belong to the weights before the reload, so they are computed again
                 with op_value_checks_off():
                     loss_sum, valid_tokens = self.forward_backward(micro_batches)
         max_norm = self.cfg.training.max_norm

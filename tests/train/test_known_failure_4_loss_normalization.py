@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flame.train.loss import count_valid_tokens
 from flame.train.trainer import Trainer
 from tests.train.helpers import grads, params, random_batches, split_rows, tiny_config
 
@@ -108,3 +109,82 @@ def test_known_failure_4_uneven_valid_tokens_use_the_token_mean(tmp_path):
     result = fresh.train_step(split_rows(input_ids, labels, 2))
     assert result.loss == pytest.approx(token_mean.item(), rel=1e-6)
     assert abs(mean_of_means.item() - token_mean.item()) > 1e-3 * token_mean.item()
+
+
+def plain_backward_grads(trainer, micro_batches):
+    """The step's gradients as the sum of each micro-batch's gradients from a plain
+    `loss.backward()` into fresh .grad tensors (the trainer's .grad is None before and after)."""
+    scale = 1.0 / max(count_valid_tokens(micro_batches), 1)
+    total: dict[str, torch.Tensor] = {}
+    for batch in micro_batches:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.loss(batch, scale).backward()
+        for name, grad in grads(trainer.model).items():
+            total[name] = total[name] + grad if name in total else grad
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def test_accumulated_gradients_are_the_sum_of_the_micro_batch_gradients(tmp_path):
+    """GA 3: after `forward_backward` every gradient is the sum of the three micro-batches' plain
+    backward gradients, in two consecutive steps with an update between them (nothing of the first
+    step stays in the second); the second step's last micro-batch has no valid label."""
+    trainer = make_trainer(tmp_path, "ga3", batch_size=2, ga=3)
+    trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    for step in range(2):
+        input_ids, labels = random_batches(6, SEQ, seed=200 + step)
+        labels[1, 7:] = -100
+        if step == 1:
+            labels[4:, :] = -100
+        micro_batches = split_rows(input_ids, labels, 2)
+        want = plain_backward_grads(trainer, micro_batches)
+        trainer.forward_backward(micro_batches)
+        got = grads(trainer.model)
+        assert got.keys() == want.keys() == trainable
+        assert_tensors_close(got, want, rtol=1e-6, atol=1e-6, atol_of_max=True)
+        trainer.clip_grad_norm(trainer.cfg.training.max_norm)
+        trainer.optimizer.step()
+        trainer.zero_grad()
+        assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_a_parameter_the_loss_does_not_reach_gets_a_zero_gradient(tmp_path):
+    """A parameter that no micro-batch of a step uses ends the step with a zero gradient, also
+    when it had one in the step before; one used by some micro-batches (not the first) gets the
+    sum over those."""
+    from torch import nn
+
+    from flame.models import build_model
+
+    def with_extra_parameters(args):
+        model = build_model(args)
+        model.never = nn.Parameter(torch.empty(3))
+        model.sometimes = nn.Parameter(torch.empty(args.hidden_size))
+        # `sometimes` enters the micro-batches whose first token id is odd
+        model.embeddings.register_forward_hook(
+            lambda module, inputs, out: out + model.sometimes if int(inputs[0][0, 0]) % 2 else out)
+        return model
+
+    cfg = tiny_config(tmp_path, training={"batch_size": 2, "gradient_accumulation_steps": 3, "seq_len": SEQ})
+    trainer = Trainer(cfg, dataloader=(), model_factory=with_extra_parameters)
+    with torch.no_grad():
+        trainer.model.never.fill_(0.5)
+        trainer.model.sometimes.fill_(0.01)
+    for step, odd_micro_batches in enumerate([(1, 2), ()]):
+        input_ids, labels = random_batches(6, SEQ, seed=300 + step)
+        input_ids[:, 0] = input_ids[:, 0] // 2 * 2
+        for index in odd_micro_batches:
+            input_ids[2 * index, 0] += 1
+        micro_batches = split_rows(input_ids, labels, 2)
+        want = plain_backward_grads(trainer, micro_batches)
+        trainer.forward_backward(micro_batches)
+        got = grads(trainer.model)
+        assert torch.equal(got["never"], torch.zeros(3))
+        if odd_micro_batches:
+            assert want["sometimes"].abs().max() > 0
+        else:
+            assert "sometimes" not in want
+            want["sometimes"] = torch.zeros(cfg.model.hidden_size)
+        want["never"] = torch.zeros(3)
+        assert_tensors_close(got, want, rtol=1e-6, atol=1e-6, atol_of_max=True)
+        trainer.zero_grad()

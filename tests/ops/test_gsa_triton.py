@@ -151,6 +151,21 @@ def test_varlen_matches_per_sequence(op):
     check_against_naive(op, inputs, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("case", ["varlen", "k_ne_v_partial", "no_final_state_gradient"])
+def test_walk_states(walk_states, case):
+    """The walk over chunks (the state passes at training batch sizes; the other tests take the split
+    pass) on varlen, K != V with partial chunks and initial states, and without a final-state gradient."""
+    op = OPS["chunk"]
+    if case == "varlen":
+        lengths = [1, 15, 64, 65, 100]
+        cu = make_cu_seqlens(lengths, device=DEVICE)
+        check_against_naive(op, varlen_state(gsa_inputs(T=sum(lengths)), len(lengths)), cu_seqlens=cu)
+    elif case == "k_ne_v_partial":
+        check_against_naive(op, gsa_inputs(B=2, T=130, K=60, V=100, M=32))
+    else:
+        check_against_naive(op, gsa_inputs(B=2, T=70, H=2), with_dht=False)
+
+
 def test_varlen_length_one_sequence(op):
     """A length-1 sequence first, in the middle and last of a packed batch."""
     lengths = [1, 20, 1, 9, 1]

@@ -173,6 +173,21 @@ def test_varlen_matches_per_sequence(op):
     check_against_naive(OPS[op], inputs, scale=0.7, cu_seqlens=cu)
 
 
+# --- the walk over chunks (the state passes at training batch sizes) on the hazards it touches ----------
+
+@pytest.mark.parametrize("case", ["varlen", "k_ne_v_partial", "final_state_gradient_alone"])
+def test_walk_states(walk_states, case):
+    if case == "varlen":
+        lengths = [1, 15, 64, 65, 30]
+        cu = make_cu_seqlens(lengths, device=DEVICE)
+        inputs = varlen_state(_inputs(T=sum(lengths), H=2, K=16, V=32, decay="strong", seed=21), len(lengths))
+        check_against_naive(chunk_triton, inputs, scale=0.7, cu_seqlens=cu)
+    elif case == "k_ne_v_partial":
+        check_against_naive(chunk_triton, _inputs(B=2, T=130, K=60, V=100, seed=22), scale=60 ** -0.5)
+    else:
+        check_against_naive(chunk_triton, _inputs(T=70, K=16, V=32, seed=23), with_do=False)
+
+
 # --- hazard 10: chunk-size invariance, single chunk, one token --------------------------------------
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])

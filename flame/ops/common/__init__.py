@@ -16,22 +16,22 @@ Using the core (all tensors token-major and contiguous: q, k, g [B, T, H, K], v 
     BK, BV = block_sizes(K, V)
     # forward
     gc       = chunk_local_cumsum(g, layout)                                  # fp32, * log2(e)
-    A, h     = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, DT, BK, v=v, block_v=BV)
-    h, ht    = chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)  # in place
+    A, _     = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, DT, BK)
+    h, ht    = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)
     o        = chunk_output(q, v, gc, h, A, layout, scale, exclusive, DT, BK, BV)
     # backward (recompute gc; A saved from the forward; dht may be None)
-    h, dh    = chunk_local_states(q, k, v, do, gc, layout, scale, exclusive, DT, fwd=True, bwd=True)
-    h, _     = chunk_scan_states(h, gc, layout, h0, False, reverse=False)
-    dh, dh0  = chunk_scan_states(dh, gc, layout, dht, need_dh0, reverse=True)
+    h, dh, dh0 = chunk_states_fwd_bwd(q, k, v, do, gc, layout, h0, dht, scale, exclusive, need_dh0, DT)
     dv, dA, dAd    = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, exclusive, u is not None, DT, BK, BV)
     dq, dk, dg, du = chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout, scale, exclusive, DT, BK, BV)
 
 A is the intra-chunk matrix, fp32 [B, T, H, BT] (scale and the bonus included, zero above the
 diagonal); dA its gradient in the same layout (scaled, masked), dAd the bonus diagonal [B, T, H].
-The older one-call entry points remain, each computing what it needs itself:
-    h, ht   = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)
+The state passes pick the walk or the split pass (`walks`, state.py); where `walks` is false, the intra
+kernel can form the split pass's local terms alongside A (`chunk_intra_fwd(..., v=v)`, then
+`chunk_scan_states` in place, as RWKV6 does). The older one-call entry points remain, each computing
+what it needs itself:
     o       = chunk_output_fwd(q, k, v, gc, h, layout, scale, exclusive, u, DT, BK, BV)
-    dh, dh0 = chunk_state_bwd(q, do, gc, layout, dht, scale, exclusive, need_dh0, DT)
+    dh, dh0 = chunk_state_bwd(q, do, gc, layout, dht, scale, exclusive, need_dh0, DT)   # alone
     dq, dk, dg, du = chunk_dqkg_bwd(q, k, v, g, gc, u, h, do, dh, layout, scale, exclusive, DT, BK, BV)
     dv      = chunk_dv_bwd(q, k, v, gc, u, do, dh, layout, scale, exclusive, DT, BK, BV)
 
@@ -55,9 +55,10 @@ columns of S is a gate on the rows of S^T (pass the roles swapped).
 Not covered here: the intra-chunk read of a gate on the value side (A = q k^T followed by a
 per-column decayed A v, GSA pass 1); flame.ops.gsa.chunk_triton builds it from these blocks.
 
-Structure, for speed: the state passes are split into a parallel per-chunk local term
-and an elementwise scan over chunks (state.py), so a long sequence with few heads does not run a
-few hundred programs through a chain of tensor-core steps; A is computed once in the forward and
+Structure, for speed: the state passes walk the chunks with the state in registers where the batch
+gives enough (sequence, head, tile) chains to fill the GPU, and are split into a parallel per-chunk
+local term and an elementwise scan over chunks where it does not (state.py), so a long sequence with
+few heads does not run a few programs through a chain of tensor-core steps; A is computed once in the forward and
 saved (output.py); dv writes dA, which the dq/dk/dg kernel reads whole for the off-diagonal
 sub-block products and gathers entry by entry for the exact diagonal sub-blocks, computed in an
 [NB, BC, BK] view (a 16-row sub-chunk per leading index) instead of [64, 64] select-reductions.
@@ -77,7 +78,8 @@ from .cumsum import chunk_local_cumsum
 from .grads import chunk_dqkg_bwd, chunk_dqkg_from_dA, chunk_dv_bwd, chunk_dv_dA_bwd
 from .layout import ChunkLayout, chunk_layout
 from .output import chunk_intra_fwd, chunk_output, chunk_output_fwd
-from .state import chunk_local_states, chunk_scan_states, chunk_state_bwd, chunk_state_fwd
+from .state import (chunk_local_states, chunk_scan_states, chunk_state_bwd, chunk_state_fwd, chunk_states_fwd_bwd,
+                    chunk_states_walk, walks)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -103,5 +105,6 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
 __all__ = [
     "ChunkLayout", "block_sizes", "chunk_dqkg_bwd", "chunk_dqkg_from_dA", "chunk_dv_bwd", "chunk_dv_dA_bwd",
     "chunk_intra_fwd", "chunk_layout", "chunk_local_cumsum", "chunk_local_states", "chunk_output",
-    "chunk_output_fwd", "chunk_scan_states", "chunk_state_bwd", "chunk_state_fwd", "dot_dtype",
+    "chunk_output_fwd", "chunk_scan_states", "chunk_state_bwd", "chunk_state_fwd", "chunk_states_fwd_bwd",
+    "chunk_states_walk", "dot_dtype", "walks",
 ]

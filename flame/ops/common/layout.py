@@ -38,6 +38,8 @@ def fixed_length_tables(B: int, T: int, chunk_size: int, device) -> tuple[torch.
     under CUDA graphs runs its first call with its allocations routed to the graph's pool, where a
     memoized tensor would be a live allocation that the graph does not own."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one key per GPU; the builder thread selects it
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (B, T, chunk_size, device)
     tables = _FIXED_TABLES.get(key)
     if tables is None:

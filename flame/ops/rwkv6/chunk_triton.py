@@ -5,9 +5,10 @@ diagonal: exactly the `exclusive=True, u=u` configuration of flame.ops.common. C
 sub-chunks of 16. Saved between forward and backward: the inputs and the fp32 intra-chunk matrix A
 [B, T, H, 64] (as fla does); the cumsum and the per-chunk states are recomputed in the backward.
 
-Forward: cumsum; A and the chunks' local state terms (one kernel); the state scan; the output.
-Backward: cumsum; the local terms of the states and of the state gradients (one kernel); the two
-scans; dv with dA; dq, dk, dw, du.
+Forward: cumsum; A; the per-chunk states; the output. Backward: cumsum; the states and the state
+gradients; dv with dA; dq, dk, dw, du. The state passes walk the chunks with the state in registers
+where N x H x tiles fills the GPU (flame.ops.common.state.walks); elsewhere the intra kernel forms
+the chunks' local state terms alongside A and an elementwise scan carries them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from ..backend import run_eager
 from ..common import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
-                      chunk_local_cumsum, chunk_local_states, chunk_output, chunk_scan_states, dot_dtype)
+                      chunk_local_cumsum, chunk_output, chunk_scan_states, chunk_state_fwd, chunk_states_fwd_bwd,
+                      dot_dtype, walks)
 
 CHUNK_SIZE = 64
 
@@ -29,8 +31,12 @@ def _forward(r, k, v, w, u, scale, h0, output_final_state, cu_seqlens, chunk_siz
     DT = dot_dtype(v.dtype, K)
     BK, BV = block_sizes(K, V)
     gc = chunk_local_cumsum(w, layout)
-    A, h = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK, v=v, block_v=BV)
-    h, ht = chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
+    if walks(layout, H, K, V):
+        A, _ = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK)
+        h, ht = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)
+    else:  # the intra kernel forms the local state terms too, for the split pass's scan
+        A, h = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK, v=v, block_v=BV)
+        h, ht = chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
     o = chunk_output(r, v, gc, h, A, layout, scale, True, DT, BK, BV)
     return o, ht, A
 
@@ -45,9 +51,7 @@ def _backward(r, k, v, w, u, h0, A, scale, cu_seqlens, chunk_size, do, dht):
     do = do.contiguous()
     dht = dht.float().contiguous() if dht is not None else None
     gc = chunk_local_cumsum(w, layout)
-    h, dh = chunk_local_states(r, k, v, do, gc, layout, scale, True, DT, fwd=True, bwd=True)
-    h, _ = chunk_scan_states(h, gc, layout, h0, False, reverse=False)
-    dh, dh0 = chunk_scan_states(dh, gc, layout, dht, h0 is not None, reverse=True)
+    h, dh, dh0 = chunk_states_fwd_bwd(r, k, v, do, gc, layout, h0, dht, scale, True, h0 is not None, DT)
     dv, dA, dAd = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, True, True, DT, BK, BV)
     dr, dk, dw, du = chunk_dqkg_from_dA(r, k, v, w, gc, u, h, do, dh, dA, dAd, layout, scale, True,
                                         DT, BK, BV)

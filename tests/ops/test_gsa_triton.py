@@ -307,6 +307,15 @@ def test_gpu_chunk_vs_recurrent_bf16(decay):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decay", ["strong", "weak"])
+def test_gpu_walk_bf16_long(walk_states, decay):
+    """The state passes as a training batch runs them (the walk over chunks, state in registers) in
+    bf16 at T = 4096 (B2 H4 K = V = 128 M64, with initial states) against fp64."""
+    check_against_naive(OPS["chunk"], gsa_inputs(B=2, T=4096, H=4, K=128, V=128, M=64, dtype=torch.bfloat16,
+                                                 decay=decay), ratio=1e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_varlen_gqa_fp32():
     """fp32, GQA and packed sequences (a length-1 one included) at GPU size against the oracle."""
     lengths = [1, 700, 64, 1235]

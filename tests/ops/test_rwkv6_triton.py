@@ -252,6 +252,17 @@ def test_gpu_bf16_long_against_fp64(T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [2048, 4096])
+def test_gpu_walk_bf16_against_fp64(walk_states, T):
+    """The state passes as a training batch runs them (the walk over chunks, state in registers) in
+    bf16 at T up to 4096, with states and a packed batch of four sequences, against fp64."""
+    lengths = [1, T // 2 - 1, 700, T // 2 - 700]
+    cu = make_cu_seqlens(lengths, device=DEVICE)
+    inputs = varlen_state(_inputs(T=T, H=4, K=64, V=64, dtype=torch.bfloat16, seed=24), len(lengths))
+    check_against_naive(chunk_triton, inputs, cu_seqlens=cu, ratio=1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("decay", ["extreme", "wide", -1e3])
 def test_gpu_bf16_extreme_decays(decay):
     check_against_naive(chunk_triton, _inputs(B=2, T=1000, H=3, K=64, V=128, dtype=torch.bfloat16, decay=decay,

@@ -120,14 +120,22 @@ BOUND = -0.6065306597126334  # the RWKV7 layer's gate bound: the centred regime
 
 def _launches(op, family, dtype, calls=({},), **shape):
     """The launches of op (a *_triton host function) on zero-cost CPU inputs of `family`, forward and
-    backward, once per keyword set in `calls`."""
+    backward, once per keyword set in `calls`, with the GLA core's state passes split (what these small
+    shapes take) and walked (what a training batch takes, flame.ops.common.state.walks)."""
+    from flame.ops.common import state
     from tests.ops.inputs import forward_backward, make_inputs
 
     launches = record_launches()
     dims = dict(B=1, T=64, H=2, K=64, V=64, M=16) | shape
-    for kwargs in calls:
-        inputs = make_inputs(family, **dims, dtype=dtype, requires_grad=True, initial_state=True)
-        forward_backward(op, inputs, **kwargs)
+    default = state.WALK_MIN_PROGRAMS
+    try:
+        for min_programs in (default, 0):
+            state.WALK_MIN_PROGRAMS = min_programs
+            for kwargs in calls:
+                inputs = make_inputs(family, **dims, dtype=dtype, requires_grad=True, initial_state=True)
+                forward_backward(op, inputs, **kwargs)
+    finally:
+        state.WALK_MIN_PROGRAMS = default
     return launches
 
 

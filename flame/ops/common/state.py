@@ -189,7 +189,9 @@ def _walk_kernel(k, v, q, do, gc, h0, ht, dht, dh0, h, dh, cu_seqlens, chunk_off
                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                  DT: tl.constexpr):
     """The walks over chunks: the forward states (FWD), the reverse state gradients (BWD), or both in one
-    launch (the first NH = N*H rows of the grid walk forward, the next NH backward)."""
+    launch (the first NH = N*H rows of the grid walk forward, the next NH backward). The roles are
+    branches on the constexprs (a role flag held in a variable compiles both walks, and a walk on None
+    inputs does not compile)."""
     i_nh = tl.program_id(0).to(tl.int64)
     i_kv = tl.program_id(1)
     if FWD and BWD:
@@ -207,10 +209,11 @@ def _walk_kernel(k, v, q, do, gc, h0, ht, dht, dh0, h, dh, cu_seqlens, chunk_off
               True, EXCLUSIVE, USE_DHT, STORE_DH0, DT)
 
 
-def _local_grid(layout: ChunkLayout, H: int, K: int, V: int):
-    BK = min(64, max(16, triton.next_power_of_2(K)))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
-    return BK, BV, (layout.num_chunks, H, triton.cdiv(K, BK) * triton.cdiv(V, BV))
+def _tiles(K: int, V: int, edge: int = 64) -> tuple[int, int, int]:
+    """(BK, BV, number of K x V tiles): powers of two from 16 up to `edge`."""
+    BK = min(edge, max(16, triton.next_power_of_2(K)))
+    BV = min(edge, max(16, triton.next_power_of_2(V)))
+    return BK, BV, triton.cdiv(K, BK) * triton.cdiv(V, BV)
 
 
 def chunk_local_states(q, k, v, do, gc, layout: ChunkLayout, scale: float, exclusive: bool, dot_dtype,
@@ -222,8 +225,8 @@ def chunk_local_states(q, k, v, do, gc, layout: ChunkLayout, scale: float, exclu
     V = (v if fwd else do).shape[-1]
     h = torch.empty(layout.num_chunks, H, K, V, device=ref.device, dtype=torch.float32) if fwd else None
     dh = torch.empty(layout.num_chunks, H, K, V, device=ref.device, dtype=torch.float32) if bwd else None
-    BK, BV, grid = _local_grid(layout, H, K, V)
-    _local_states_kernel[grid](
+    BK, BV, tiles = _tiles(K, V)
+    _local_states_kernel[(layout.num_chunks, H, tiles)](
         k, v, q, do, gc, h, dh, layout.cu_seqlens, layout.chunk_indices, scale,
         H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, EXCLUSIVE=exclusive, FWD=fwd, BWD=bwd,
         DT=dot_dtype, num_warps=LOCAL_WARPS, num_stages=1)
@@ -245,17 +248,10 @@ def chunk_scan_states(x, gc, layout: ChunkLayout, init, store_final: bool, rever
     return x, final
 
 
-def _walk_tiles(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, number of tiles) of the walk."""
-    BK = min(WALK_BLOCK, max(16, triton.next_power_of_2(K)))
-    BV = min(WALK_BLOCK, max(16, triton.next_power_of_2(V)))
-    return BK, BV, triton.cdiv(K, BK) * triton.cdiv(V, BV)
-
-
 def walks(layout: ChunkLayout, H: int, K: int, V: int) -> bool:
     """Whether the state passes of this shape take the walk (N x H x tiles >= WALK_MIN_PROGRAMS programs)
     rather than the split pass (local terms, then the elementwise scan)."""
-    return layout.num_seqs * H * _walk_tiles(K, V)[2] >= WALK_MIN_PROGRAMS
+    return layout.num_seqs * H * _tiles(K, V, WALK_BLOCK)[2] >= WALK_MIN_PROGRAMS
 
 
 def chunk_states_walk(q, k, v, do, gc, layout: ChunkLayout, h0, dht, scale: float, exclusive: bool, dot_dtype,
@@ -276,7 +272,7 @@ def chunk_states_walk(q, k, v, do, gc, layout: ChunkLayout, h0, dht, scale: floa
     dh = states(layout.num_chunks) if bwd else None
     ht = states(N) if fwd and store_ht else None
     dh0 = states(N) if bwd and need_dh0 else None
-    BK, BV, tiles = _walk_tiles(K, V)
+    BK, BV, tiles = _tiles(K, V, WALK_BLOCK)
     _walk_kernel[(N * H * (int(fwd) + int(bwd)), tiles)](
         k, v, q, do, gc, h0, ht, dht, dh0, h, dh, layout.cu_seqlens, layout.chunk_offsets, scale, N * H,
         H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, EXCLUSIVE=exclusive, FWD=fwd, BWD=bwd,

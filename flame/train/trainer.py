@@ -110,11 +110,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """A StreamHandler that writes to sys.stdout as it is when a record is emitted, not as it was when
+    the handler was made (as logging's own last-resort handler does for stderr): a process that swaps
+    sys.stdout (a test's capture, a notebook) must not leave the handler on a closed stream."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logging(rank: int = 0) -> None:
     """Console logging: rank 0 at INFO, other ranks only warnings (prefixed with their rank)."""
     flame_logger = logging.getLogger("flame")
     if not flame_logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         prefix = f"[rank{rank}] " if rank else ""
         handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
         flame_logger.addHandler(handler)

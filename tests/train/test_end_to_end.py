@@ -1,6 +1,9 @@
 """`flame-train` end to end on a very small RWKV7: metrics.jsonl, config.toml, a checkpoint."""
 
+import io
 import json
+import logging
+import sys
 import tomllib
 from pathlib import Path
 
@@ -66,3 +69,25 @@ def test_vocab_mismatch_and_missing_tokenizer_exit_with_a_message(tmp_path, caps
     assert main(base + ["--data.tokenizer", str(tmp_path / "missing.json")]) == 1
     err = capsys.readouterr().err
     assert "DataError" in err and "missing.json does not exist" in err
+
+
+def test_console_logging_follows_a_replaced_stdout(capsys):
+    """The log handler writes to sys.stdout as it is at each record: a stream that was current when
+    logging was set up and has since been closed (a test's capture, a notebook cell) is not used."""
+    from flame.train.trainer import setup_logging
+
+    flame_logger = logging.getLogger("flame")
+    saved = flame_logger.handlers[:]
+    flame_logger.handlers.clear()
+    real, early = sys.stdout, io.StringIO()
+    try:
+        sys.stdout = early
+        setup_logging()
+        sys.stdout = real
+        early.close()
+        flame_logger.info("logged after the first stream closed")
+    finally:
+        sys.stdout = real
+        flame_logger.handlers[:] = saved
+    out = capsys.readouterr()
+    assert "logged after the first stream closed" in out.out and "Logging error" not in out.err

@@ -24,7 +24,6 @@ from flame.models import init
 from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, vector_param
 from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
-from flame.models.token_shift import token_shift
 from flame import ops
 
 DECAY_LOW_RANK_DIM = 64
@@ -102,16 +101,15 @@ class RWKV6Attention(nn.Module):
                 state: LayerState | None = None) -> torch.Tensor:
         B, T, C = x.shape
         H, N = self.num_heads, self.head_dim
-        shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "attn_shift")
-        delta = shifted - x
-        xi = torch.tanh(torch.addcmul(x, delta, like(self.mu_x, x)) @ self.mix_w1)
+        previous = None if state is None else state.previous_token(x, "attn_shift")
+        (xx,) = ops.token_shift_mix(x, self.mu_x[None], cu_seqlens=cu_seqlens, previous=previous,
+                                    backend=self.backend)
+        xi = torch.tanh(xx @ self.mix_w1)
         xi = xi.view(B * T, MIX_BRANCHES, self.mix_rank).transpose(0, 1)
-        m_w, m_k, m_v, m_r, m_g = torch.bmm(xi, self.mix_w2).view(MIX_BRANCHES, B, T, C).unbind(0)
-        xw = torch.addcmul(x, delta, like(self.mu_w, x) + m_w)
-        xk = torch.addcmul(x, delta, like(self.mu_k, x) + m_k)
-        xv = torch.addcmul(x, delta, like(self.mu_v, x) + m_v)
-        xr = torch.addcmul(x, delta, like(self.mu_r, x) + m_r)
-        xg = torch.addcmul(x, delta, like(self.mu_g, x) + m_g)
+        m = torch.bmm(xi, self.mix_w2).view(MIX_BRANCHES, B, T, C)
+        mu = torch.stack([self.mu_w, self.mu_k, self.mu_v, self.mu_r, self.mu_g])
+        xw, xk, xv, xr, xg = ops.token_shift_mix(x, mu, m, cu_seqlens=cu_seqlens, previous=previous,
+                                                 backend=self.backend)
 
         r = self.receptance(xr).view(B, T, H, N)
         k = self.key(xk).view(B, T, H, N)
@@ -138,6 +136,7 @@ class RWKV6FeedForward(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
         self.layer_id, self.num_layers = layer_id, args.num_layers
+        self.backend = args.backend
         C = args.hidden_size
         width = args.ffn_hidden_size or rwkv6_ffn_width(C)
         self.mu_k, self.mu_r = vector_param(C), vector_param(C)
@@ -158,10 +157,11 @@ class RWKV6FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 state: LayerState | None = None) -> torch.Tensor:
-        shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "ffn_shift")
-        delta = shifted - x
-        k = torch.relu(self.key(torch.addcmul(x, delta, like(self.mu_k, x)))).square()
-        return torch.sigmoid(self.receptance(torch.addcmul(x, delta, like(self.mu_r, x)))) * self.value(k)
+        previous = None if state is None else state.previous_token(x, "ffn_shift")
+        xk, xr = ops.token_shift_mix(x, torch.stack([self.mu_k, self.mu_r]), cu_seqlens=cu_seqlens,
+                                     previous=previous, backend=self.backend)
+        k = torch.relu(self.key(xk)).square()
+        return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
 
 class RWKV6Block(RWKVBlock):

@@ -27,7 +27,6 @@ from flame.models import init
 from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, vector_param
 from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
-from flame.models.token_shift import token_shift
 from flame import ops
 
 DECAY_BOUND = math.exp(-0.5)
@@ -104,12 +103,10 @@ class RWKV7Attention(nn.Module):
                 state: LayerState | None = None):
         B, T, C = x.shape
         H, N = self.num_heads, self.head_dim
-        shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "attn_shift")
-        delta = shifted - x
-        xr, xw, xk, xv, xa, xg = (
-            torch.addcmul(x, delta, like(mu, x))
-            for mu in (self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g)
-        )
+        previous = None if state is None else state.previous_token(x, "attn_shift")
+        mu = torch.stack([self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g])
+        xr, xw, xk, xv, xa, xg = ops.token_shift_mix(x, mu, cu_seqlens=cu_seqlens, previous=previous,
+                                                     backend=self.backend)
 
         r = self.receptance(xr)
         w = -DECAY_BOUND * torch.sigmoid(like(self.w0, x) + torch.tanh(xw @ self.w1) @ self.w2)
@@ -153,6 +150,7 @@ class RWKV7FeedForward(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
         self.layer_id, self.num_layers = layer_id, args.num_layers
+        self.backend = args.backend
         C = args.hidden_size
         width = args.ffn_hidden_size or 4 * C
         self.mu_k = vector_param(C)
@@ -169,9 +167,10 @@ class RWKV7FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 state: LayerState | None = None) -> torch.Tensor:
-        shifted = token_shift(x, cu_seqlens) if state is None else state.token_shift(x, "ffn_shift")
-        delta = shifted - x
-        return self.value(torch.relu(self.key(torch.addcmul(x, delta, like(self.mu_k, x)))).square())
+        previous = None if state is None else state.previous_token(x, "ffn_shift")
+        (xk,) = ops.token_shift_mix(x, self.mu_k[None], cu_seqlens=cu_seqlens, previous=previous,
+                                    backend=self.backend)
+        return self.value(torch.relu(self.key(xk)).square())
 
 
 class RWKV7Block(RWKVBlock):

@@ -17,8 +17,6 @@ import dataclasses
 
 import torch
 
-from flame.models.token_shift import token_shift
-
 
 @dataclasses.dataclass
 class LayerState:
@@ -31,14 +29,13 @@ class LayerState:
     recurrent: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
     """The attention's matrix state, fp32 (fp64 in an fp64 model)."""
 
-    def token_shift(self, x: torch.Tensor, field: str) -> torch.Tensor:
-        """The previous token's features of x [B, T, C], continuing from the stored last token
-        (`field` is "attn_shift" or "ffn_shift"); stores x's last token for the next call."""
+    def previous_token(self, x: torch.Tensor, field: str) -> torch.Tensor | None:
+        """The stored last token [B, C] that precedes x [B, T, C] in the token shift (None: the
+        empty prefix, zeros), for `field` "attn_shift" or "ffn_shift"; stores x's last token for the
+        next call."""
         last = getattr(self, field)
         setattr(self, field, x[:, -1])
-        if last is None:
-            return token_shift(x)
-        return torch.cat([last[:, None].to(x.dtype), x[:, :-1]], dim=1)
+        return last
 
     def attend(self, chunk_op, step_op, *args, **kwargs) -> torch.Tensor:
         """Run a linear-attention op from the stored state and store its final state: the chunked

@@ -217,8 +217,11 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.a
 
 def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     """The "elementwise" policy: a block saves for its backward the outputs of its matrix
-    products, of flame's attention ops (namespace `flame`) and of autocast's casts of its
-    parameters, and recomputes the rest (norms, token shift and lerps, gates, activations).
+    products, of flame's ops (namespace `flame`) and of autocast's casts of its parameters, and
+    recomputes the rest (norms, gates, activations) and the token-shift lerps with static
+    coefficients (`token_shift_mix` without m: one read of x gives all N outputs, so recomputing
+    costs less than keeping N tensors; with RWKV6's data-dependent m the recomputation would read
+    N + 1 tensors for N).
     Compiled, the recomputation runs inside the backward's fused kernels, which read the saved
     matmul outputs anyway: rwkv7_340M at batch 8 x 2048 saves ~15 GiB instead of ~30 per
     micro-batch, for ~7% more GPU time (H100, bf16). The bf16 weight copies cost 0.7 GiB for
@@ -226,6 +229,8 @@ def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     again in every micro-batch's backward (4 ms per step for rwkv7_340M at GA 2)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    if func.name() == "flame::token_shift_mix_fwd" and args[2] is None:
+        return CheckpointPolicy.PREFER_RECOMPUTE
     if func in _MATMULS or func.namespace == "flame":
         return CheckpointPolicy.MUST_SAVE
     if func in _CASTS and _is_parameter(args[0]):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flame.models.token_shift import check_cu_seqlens, token_shift
+from flame.models.varlen import check_cu_seqlens
+from flame.ops.token_shift import token_shift
 from tests.models.helpers import FAMILIES, build_seeded, tiny_args
 
 

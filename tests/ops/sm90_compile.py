@@ -139,6 +139,24 @@ def _launches(op, family, dtype, calls=({},), **shape):
     return launches
 
 
+def _token_shift_mix_launches():
+    """The launches of token_shift_mix in the layers' configurations (RWKV6's five dynamic lerps, RWKV7's
+    six static ones, the channel mixes' one and two, packed documents), forward and backward."""
+    from flame.ops.token_shift import mix_triton
+    from flame.ops.token_shift.shift import sequence_starts
+
+    launches = record_launches()
+    B, T, C = 1, 64, 192
+    x = torch.zeros(B, T, C, dtype=torch.bfloat16, requires_grad=True)
+    for n, n_m, cu_seqlens in ((6, 5, None), (6, 0, None), (2, 0, None), (1, 0, torch.tensor([0, 10, T]))):
+        mu = torch.zeros(n, C, requires_grad=True)
+        m = torch.zeros(n_m, B, T, C, dtype=torch.bfloat16, requires_grad=True) if n_m else None
+        starts = sequence_starts(cu_seqlens, T) if cu_seqlens is not None else None
+        outs = mix_triton.token_shift_mix_triton(x, mu, m, starts)
+        torch.autograd.grad(sum(o.float().sum() for o in outs), [x, mu] + ([m] if m is not None else []))
+    return launches
+
+
 def _op(module, name):
     import importlib
     return getattr(importlib.import_module(f"flame.ops.{module}"), name)
@@ -160,6 +178,7 @@ CASES = {
     "gsa_chunk_bf16": lambda: _launches(_op("gsa.chunk_triton", "chunk_gsa_triton"), "gsa", torch.bfloat16),
     "gsa_fused_recurrent_bf16": lambda: _launches(
         _op("gsa.fused_recurrent_triton", "fused_recurrent_gsa_triton"), "gsa", torch.bfloat16),
+    "token_shift_mix_bf16": _token_shift_mix_launches,
 }
 
 

@@ -35,10 +35,11 @@ def test_unknown_activation_checkpoint_mode_is_named(tmp_path):
                 dataloader=())
 
 
-def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_path):
-    """Compiled under autocast, an "elementwise" block's backward recomputes its norms and lerps but
-    takes autocast's bf16 copies of the weights from the forward: a recomputed cast would read every
-    fp32 weight a second time per micro-batch."""
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv6"])
+def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_path, family):
+    """Compiled under autocast, an "elementwise" block's backward recomputes its norms and static
+    lerps but takes autocast's bf16 copies of the weights from the forward (a recomputed cast would
+    read every fp32 weight a second time per micro-batch) and RWKV6's data-dependent lerps."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -46,7 +47,8 @@ def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_p
     from flame.ops.checks import set_value_checks, value_checks_enabled
     from flame.train.parallel import recompute_elementwise
 
-    cfg = tiny_config(tmp_path, model={"hidden_size": 64, "num_layers": 2, "head_dim": 16, "backend": "triton"})
+    cfg = tiny_config(tmp_path, model={"family": family, "hidden_size": 64, "num_layers": 2, "head_dim": 16,
+                                       "backend": "triton"})
     model = build_model(cfg.model)
     model.init_weights()
     block = recompute_elementwise(model.layers[1])
@@ -68,7 +70,9 @@ def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_p
         compiled = torch.compile(block, backend=backend)
         x = torch.randn(2, 32, 64, requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, _ = compiled(x, torch.randn(2, 32, 64))
+            out = compiled(x, torch.randn(2, 32, 64)) if family == "rwkv7" else compiled(x)
+        if family == "rwkv7":
+            out = out[0]
         out.float().sum().backward()
     finally:
         set_value_checks(checks)
@@ -82,4 +86,6 @@ def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_p
     assert not recasts, [str(node) for node in recasts]
     recomputed = {node.target for node in backward.nodes}
     assert torch.ops.aten.native_layer_norm.default in recomputed
-    assert torch.ops.aten.addcmul.default in recomputed
+    lerps = [node for node in backward.nodes if node.target == torch.ops.flame.token_shift_mix_fwd.default]
+    assert lerps, "the static lerps are recomputed"
+    assert all(node.args[2] is None for node in lerps), "the data-dependent lerps are saved"

@@ -1,14 +1,12 @@
-"""Token shift: the previous token's features, x_{t-1}, with x_0 = 0 at every sequence start.
+"""Packed varlen batches: documents concatenated into batch size 1, delimited by `cu_seqlens`.
 
-All three families mix each token with its predecessor (kernels.md section 4). In packed varlen
-mode (`cu_seqlens`, batch 1) every document starts afresh: the token right after a boundary sees
-zeros, never the last token of the previous document.
+Every document starts afresh: the token shift (flame.ops.token_shift) is zero at its first token
+and the attention state starts from zero. The offsets are checked once per batch, here.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch_size: int, seq_len: int) -> None:
@@ -26,14 +24,3 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch_size: int, seq_len: int) ->
         raise ValueError(f"cu_seqlens must start at 0 and end at the sequence length {seq_len}, got {first} .. {last}")
     if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
-
-
-def token_shift(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, T, C] -> the previous token's features [B, T, C]: zeros at t = 0 and, with cu_seqlens,
-    at every document start."""
-    previous = F.pad(x, (0, 0, 1, -1))
-    if cu_seqlens is None:
-        return previous
-    positions = torch.arange(x.shape[1], device=x.device)
-    starts = torch.isin(positions, cu_seqlens[:-1].to(device=x.device, dtype=positions.dtype))
-    return torch.where(starts[None, :, None], torch.zeros_like(previous), previous)

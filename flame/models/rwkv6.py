@@ -160,7 +160,7 @@ class RWKV6FeedForward(nn.Module):
         previous = None if state is None else state.previous_token(x, "ffn_shift")
         xk, xr = ops.token_shift_mix(x, torch.stack([self.mu_k, self.mu_r]), cu_seqlens=cu_seqlens,
                                      previous=previous, backend=self.backend)
-        k = torch.relu(self.key(xk)).square()
+        k = ops.squared_relu(self.key(xk), backend=self.backend)
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
 

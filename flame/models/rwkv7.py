@@ -170,7 +170,7 @@ class RWKV7FeedForward(nn.Module):
         previous = None if state is None else state.previous_token(x, "ffn_shift")
         (xk,) = ops.token_shift_mix(x, self.mu_k[None], cu_seqlens=cu_seqlens, previous=previous,
                                     backend=self.backend)
-        return self.value(torch.relu(self.key(xk)).square())
+        return self.value(ops.squared_relu(self.key(xk), backend=self.backend))
 
 
 class RWKV7Block(RWKVBlock):

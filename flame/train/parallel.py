@@ -218,10 +218,11 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.a
 def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     """The "elementwise" policy: a block saves for its backward the outputs of its matrix
     products, of flame's ops (namespace `flame`) and of autocast's casts of its parameters, and
-    recomputes the rest (norms, gates, activations) and the token-shift lerps with static
-    coefficients (`token_shift_mix` without m: one read of x gives all N outputs, so recomputing
-    costs less than keeping N tensors; with RWKV6's data-dependent m the recomputation would read
-    N + 1 tensors for N).
+    recomputes the rest (norms, gates, activations). Of the token-shift lerps
+    (`token_shift_mix`), it recomputes those whose recomputation moves fewer than two tensors per
+    output it spares (RWKV7's six static lerps: one read and six writes for six outputs; the
+    two of RWKV6's channel mix), and keeps the others (a single lerp; RWKV6's five data-dependent
+    ones, which read x and five offsets).
     Compiled, the recomputation runs inside the backward's fused kernels, which read the saved
     matmul outputs anyway: rwkv7_340M at batch 8 x 2048 saves ~15 GiB instead of ~30 per
     micro-batch, for ~7% more GPU time (H100, bf16). The bf16 weight copies cost 0.7 GiB for
@@ -229,13 +230,20 @@ def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     again in every micro-batch's backward (4 ms per step for rwkv7_340M at GA 2)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if func.name() == "flame::token_shift_mix_fwd" and args[2] is None:
+    if func.name() == "flame::token_shift_mix_fwd" and not _lerps_worth_saving(*args[:3]):
         return CheckpointPolicy.PREFER_RECOMPUTE
     if func in _MATMULS or func.namespace == "flame":
         return CheckpointPolicy.MUST_SAVE
     if func in _CASTS and _is_parameter(args[0]):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _lerps_worth_saving(x, mu, m) -> bool:
+    """Whether recomputing token_shift_mix(x, mu, m) would move at least two tensors per output:
+    it reads x and the N_M offsets m and writes N outputs."""
+    outputs, offsets = mu.shape[0], (m.shape[0] if m is not None else 0)
+    return 1 + offsets + outputs >= 2 * outputs
 
 
 _CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}

@@ -157,6 +157,15 @@ def _token_shift_mix_launches():
     return launches
 
 
+def _squared_relu_launches():
+    from flame.ops.squared_relu import squared_relu_triton
+
+    launches = record_launches()
+    x = torch.zeros(64, 192, dtype=torch.bfloat16, requires_grad=True)
+    torch.autograd.grad(squared_relu_triton.squared_relu_triton(x).float().sum(), [x])
+    return launches
+
+
 def _op(module, name):
     import importlib
     return getattr(importlib.import_module(f"flame.ops.{module}"), name)
@@ -179,6 +188,7 @@ CASES = {
     "gsa_fused_recurrent_bf16": lambda: _launches(
         _op("gsa.fused_recurrent_triton", "fused_recurrent_gsa_triton"), "gsa", torch.bfloat16),
     "token_shift_mix_bf16": _token_shift_mix_launches,
+    "squared_relu_bf16": _squared_relu_launches,
 }
 
 

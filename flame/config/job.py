@@ -153,9 +153,9 @@ class Training:
                                        metadata=one_of("none", "full", "selective", "elementwise"))
     """Recomputation in the backward, per block: "none"; "full" (the whole block); "selective"
     (torchtitan's op policy: every second matmul); "elementwise" (keep the matmul and attention
-    outputs and autocast's bf16 copies of the weights, recompute norms, token shift, gates and
-    activations: about half the activation memory for a few percent of GPU time with
-    training.compile)."""
+    outputs, RWKV6's data-dependent lerps and autocast's bf16 copies of the weights; recompute
+    norms, the static token-shift lerps, gates and activations: about half the activation memory
+    for a few percent of GPU time with training.compile)."""
     max_consecutive_nan_steps: int = field(default=5, metadata={"ge": 1})
     """Stop after this many non-finite steps in a row."""
     nan_recovery: bool = False

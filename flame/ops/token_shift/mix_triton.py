@@ -18,7 +18,7 @@ and is reduced over rows once per program (a reduction per block costs a barrier
 per-program sums are added up afterwards (fp32, in a fixed order: deterministic). All arithmetic
 is fp32 (fp64 for fp64 inputs); outputs round once.
 
-Launches (H100, bf16, B8 T2048 C1024, kernel time): the forward runs at 2.8-2.9 TB/s in all seven
+Launches (H100, bf16, B8 T2048 C1024, kernel time): the forward runs at 2.7-2.9 TB/s in all seven
 shapes tried; the backward at 64 channels x 16 rows x 8 blocks on 2 warps takes 150 us for six
 static lerps, 42 us for one and 292 us for RWKV6's five dynamic ones (1.8-2.4 TB/s), the best
 overall of 23 shapes tried (4 or 8 warps, 128 or 256 channels, 32 or 64 rows, 1 or 4 blocks: slower;

@@ -22,8 +22,9 @@ def token_shift(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 previous: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, T, C] -> the previous token's features [B, T, C]: at t = 0 `previous` [B, C] (zeros
     when None) and, with cu_seqlens, zeros at every other document start."""
-    shifted = F.pad(x, (0, 0, 1, -1))
-    if previous is not None:
+    if previous is None:
+        shifted = F.pad(x, (0, 0, 1, -1))
+    else:
         shifted = torch.cat([previous[:, None].to(x.dtype), x[:, :-1]], dim=1)
     if cu_seqlens is None:
         return shifted

@@ -8,7 +8,8 @@
   and FSDP's per-parameter host work (gathers, reductions, DTensor dispatch in the optimizer) would
   cost more host time per step than the GPU needs for the whole step, so the model there stays a
   plain module with fp32 weights and gradients and computes under `torch.autocast` to the same
-  param dtype (`autocast`): bf16 matmuls and attention, fp32 accumulation of the gradients.
+  param dtype (`autocast`): bf16 matmuls and attention, fp32 accumulation of the gradients; its
+  matrices run on compute copies cast once per step (`flame.train.mixed_precision`).
 - torchtitan's ParallelDims builds the mesh: data_parallel_shard_degree is FSDP, adding
   data_parallel_replicate_degree gives HSDP, replicate alone is DDP-style replication.
 - `parallelize` applies, in this order, activation checkpointing (torchtitan's FullAC /
@@ -335,14 +336,23 @@ def parallelize(model: nn.Module, cfg, state: ParallelState, cuda_graphs: bool =
     return model
 
 
+def compute_weights_dtype(cfg, state: ParallelState) -> torch.dtype | None:
+    """The dtype of the compute copies of the weights (`flame.train.mixed_precision`) where
+    `autocast` applies, else None."""
+    dtype = DTYPES[cfg.training.mixed_precision_param]
+    if state.fsdp or state.device.type != "cuda" or dtype == torch.float32:
+        return None
+    return dtype
+
+
 def autocast(cfg, state: ParallelState):
     """The mixed-precision context of a model that FSDP does not shard: torch.autocast to
     training.mixed_precision_param on CUDA (a no-op context for float32, on CPU and under FSDP,
     whose MixedPrecisionPolicy casts instead). Returns a function that makes a new context."""
     from contextlib import nullcontext
 
-    dtype = DTYPES[cfg.training.mixed_precision_param]
-    if state.fsdp or state.device.type != "cuda" or dtype == torch.float32:
+    dtype = compute_weights_dtype(cfg, state)
+    if dtype is None:
         return nullcontext
     return lambda: torch.autocast(state.device.type, dtype=dtype)
 

@@ -40,9 +40,10 @@ from flame.train.gradients import GradNorms, clip_grad_norm
 from flame.train.loss import IGNORE_INDEX, count_valid_tokens
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger
+from flame.train.mixed_precision import ComputeWeights, add_gradients
 from flame.train.optimizer import build_optimizer
-from flame.train.parallel import (ParallelState, autocast, collective_failure, cuda_graphs_enabled, parallelize,
-                                  setup_parallel)
+from flame.train.parallel import (ParallelState, autocast, collective_failure, compute_weights_dtype,
+                                  cuda_graphs_enabled, parallelize, setup_parallel)
 from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.readback import DeviceScalars
 from flame.train.run_lock import RunLock, lock_dump_folder
@@ -232,8 +233,11 @@ class Trainer:
         self.model = self.build_model(model_factory)
         self.autocast = autocast(cfg, self.parallel)
         self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]
-        # one rank: the step's gradients, one fp32 buffer per trainable parameter (`backward`)
+        # one rank: the step's gradients, one fp32 buffer per trainable parameter (`backward`), and
+        # under mixed precision the matrices' compute copies, which the model calls run on
         self.grad_buffers = [] if self.parallel.fsdp else [torch.empty_like(p) for p in self.trainable_params]
+        self.compute_weights = ComputeWeights(self.model, compute_weights_dtype(cfg, self.parallel))
+        self.grad_targets = self.compute_weights.grad_targets(self.trainable_params)
 
         # 4. optimizer, LR schedule, checkpoints (and a resume when there is one)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -466,11 +470,12 @@ class Trainer:
             self.zero_grad()
         elif not micro_batches and self.grad_buffers:
             torch._foreach_zero_(self.grad_buffers)
-        for index, batch in enumerate(micro_batches):
-            loss = self.loss(batch, 1.0 / max(valid_tokens, 1))
-            self.backward(loss, first=index == 0)
-            loss_sum += loss.detach()
-            del loss
+        with self.compute_weights.active():  # refreshed once for all micro-batches
+            for index, batch in enumerate(micro_batches):
+                loss = self.loss(batch, 1.0 / max(valid_tokens, 1))
+                self.backward(loss, first=index == 0)
+                loss_sum += loss.detach()
+                del loss
         if not self.parallel.fsdp:
             for param, buffer in zip(self.trainable_params, self.grad_buffers):
                 param.grad = buffer
@@ -480,30 +485,20 @@ class Trainer:
         """Add one micro-batch's gradients to the step's; `first`: the step's first micro-batch.
 
         Under FSDP, `loss.backward()`: FSDP's hooks reduce-scatter each gradient and accumulate the
-        shards in .grad. On one rank, `torch.autograd.grad` returns the micro-batch's gradients and
-        two foreach ops put them into `grad_buffers`, fp32 buffers allocated once: the first
-        micro-batch copies into them, so they need no zeroing and nothing of an earlier step
-        survives; later ones add. Autograd's own accumulation into .grad would be one add kernel
-        per parameter and micro-batch plus a memset of every gradient per step, and under CUDA
-        graphs .grad has to be a buffer of its own anyway: a compiled block's gradient output
-        lives in the graphs' memory pool, where the next micro-batch's replay overwrites it (the
-        copy here is queued before that replay). A parameter that the loss does not reach (None
-        from autograd) gets a zero gradient on the first micro-batch and nothing on the others."""
+        shards in .grad. On one rank, `torch.autograd.grad` returns the micro-batch's gradients
+        (of the compute copies, for the matrices under mixed precision) and foreach ops put them
+        into `grad_buffers`, fp32 buffers allocated once (`add_gradients`): the first micro-batch
+        copies into them, so they need no zeroing and nothing of an earlier step survives; later
+        ones add. Autograd's own accumulation into .grad would be one add kernel per parameter
+        and micro-batch plus a memset of every gradient per step, and under CUDA graphs .grad has
+        to be a buffer of its own anyway: a compiled block's gradient output lives in the graphs'
+        memory pool, where the next micro-batch's replay overwrites it (the copy here is queued
+        before that replay)."""
         if self.parallel.fsdp:
             loss.backward()
             return
-        grads = torch.autograd.grad(loss, self.trainable_params, allow_unused=True)
-        buffers, sources, unused = [], [], []
-        for buffer, grad in zip(self.grad_buffers, grads):
-            if grad is None:
-                unused.append(buffer)
-            else:
-                buffers.append(buffer)
-                sources.append(grad)
-        if first and unused:
-            torch._foreach_zero_(unused)
-        if buffers:
-            (torch._foreach_copy_ if first else torch._foreach_add_)(buffers, sources)
+        grads = torch.autograd.grad(loss, self.grad_targets, allow_unused=True)
+        add_gradients(self.grad_buffers, list(grads), first)
 
     def model_inputs(self, batch: dict[str, torch.Tensor]):
         """(input_ids, labels, cu_seqlens or None) of a micro-batch, on the device."""
@@ -519,7 +514,7 @@ class Trainer:
         (the full logits are never held; RWKV7's L2Wrap, when the model has it, is in the gradient)."""
         input_ids, labels, cu_seqlens = self.model_inputs(batch)
         self.begin_model_call()
-        with self.autocast():
+        with self.compute_weights.active(), self.autocast():
             return self.model(input_ids, cu_seqlens=cu_seqlens, labels=labels, loss_scale=scale)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -527,7 +522,7 @@ class Trainer:
         hooks then see the head's output too."""
         input_ids, labels, cu_seqlens = self.model_inputs(batch)
         self.begin_model_call()
-        with self.autocast():
+        with self.compute_weights.active(), self.autocast():
             return self.model(input_ids, cu_seqlens=cu_seqlens), labels
 
     def begin_model_call(self) -> None:

@@ -210,14 +210,21 @@ def mix_forward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, start
     return outs
 
 
+def _bwd_programs(n_rows):
+    """Row programs of the backward: each sums its rows' dmu into one partial row."""
+    return (n_rows + BLOCK_ROWS_BWD * TILES_BWD - 1) // (BLOCK_ROWS_BWD * TILES_BWD)
+
+
 def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None,
                  grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dx in x's dtype, dmu fp32 (fp64 for fp64 x) [N, C], dm in m's dtype or None) for the N output
-    gradients `grads` (contiguous, x's shape)."""
+    """(dx in x's dtype, dmu's per-program partial sums fp32 (fp64 for fp64 x) [N, programs, C], dm
+    in m's dtype or None) for the N output gradients `grads` (contiguous, x's shape). dmu is the
+    partials' sum over dim 1, left to the caller: under torch.compile Inductor's reduction
+    kernel, which it can fuse with what follows, sums them faster than an eager sum."""
     B, T, C = x.shape
     N, N_M = mu.shape[0], (m.shape[0] if m is not None else 0)
     n_rows = B * T
-    n_prog = triton.cdiv(n_rows, BLOCK_ROWS_BWD * TILES_BWD)
+    n_prog = _bwd_programs(n_rows)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     dx = torch.empty_like(x)
     dm = torch.empty_like(m) if m is not None else None
@@ -229,7 +236,7 @@ def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, star
         N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=_acc_dtype(x.dtype),
         BR=BLOCK_ROWS_BWD, BC=BLOCK_CHANNELS_BWD, TILES=TILES_BWD, num_warps=WARPS_BWD, num_stages=1,
     )
-    return dx, dmu_part.sum(1), dm
+    return dx, dmu_part, dm
 
 
 # custom ops: what torch.compile sees (one opaque node each way, so the block stays one graph)
@@ -251,14 +258,16 @@ def _(x, mu, m, starts):
 @torch.library.custom_op("flame::token_shift_mix_bwd", mutates_args=())
 def _mix_bwd_op(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None,
                 grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dmu, dm = mix_backward(x, mu, m, starts, grads)
-    return dx, dmu, dm if dm is not None else x.new_empty(_EMPTY)
+    dx, dmu_part, dm = mix_backward(x, mu, m, starts, grads)
+    return dx, dmu_part, dm if dm is not None else x.new_empty(_EMPTY)
 
 
 @_mix_bwd_op.register_fake
 def _(x, mu, m, starts, grads):
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), mu.new_empty(mu.shape, dtype=acc),
+    B, T, C = x.shape
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            mu.new_empty((mu.shape[0], _bwd_programs(B * T), C), dtype=acc),
             torch.empty_like(m, memory_format=torch.contiguous_format) if m is not None else x.new_empty(_EMPTY))
 
 
@@ -270,8 +279,8 @@ def _setup_context(ctx, inputs, output):
 def _backward_op(ctx, grads):
     x, mu, m, starts = ctx.saved_tensors
     grads = [g.contiguous() if g is not None else torch.zeros_like(x) for g in grads]
-    dx, dmu, dm = torch.ops.flame.token_shift_mix_bwd(x, mu, m, starts, grads)
-    return dx, dmu.to(mu.dtype), (dm if m is not None else None), None
+    dx, dmu_part, dm = torch.ops.flame.token_shift_mix_bwd(x, mu, m, starts, grads)
+    return dx, dmu_part.sum(1).to(mu.dtype), (dm if m is not None else None), None
 
 
 _mix_fwd_op.register_autograd(_backward_op, setup_context=_setup_context)

@@ -145,6 +145,12 @@ def _flame_chunk_rwkv7_cached(x):
                               cache_intermediates=True)[0]
 
 
+def _flame_chunk_rwkv7_recompute_states(x):
+    from flame.ops.rwkv7.chunk_triton import chunk_rwkv7_triton
+    return chunk_rwkv7_triton(*_rwkv7_args(x), scale=1.0, gate_lower_bound=RWKV7_LOG_DECAY_BOUND,
+                              recompute_states=True)[0]
+
+
 def _flame_chunk_rwkv7_exact(x):
     from flame.ops.rwkv7.chunk import chunk_rwkv7
     return chunk_rwkv7(*_rwkv7_args(x), scale=1.0, backend="triton")[0]
@@ -174,6 +180,13 @@ register(BenchOp(  # the same with the forward's per-chunk intermediates kept fo
     shapes=RWKV7_SHAPES,
     make_inputs=_rwkv7_inputs,
     flame=_flame_chunk_rwkv7_cached,
+    fla=_fla_chunk_rwkv7,
+))
+register(BenchOp(  # the states recomputed in the backward's scan launch instead of kept (less memory)
+    name="chunk_rwkv7_recompute_states",
+    shapes=RWKV7_SHAPES,
+    make_inputs=_rwkv7_inputs,
+    flame=_flame_chunk_rwkv7_recompute_states,
     fla=_fla_chunk_rwkv7,
 ))
 register(BenchOp(  # no bound: exact per-pair exponents (C = 16) on both sides

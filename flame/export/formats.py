@@ -86,7 +86,7 @@ def model_args_from_hf_config(config: dict):
     from flame.config import Model
 
     names = {f.name for f in dataclasses.fields(Model)}
-    return Model(**{k: v for k, v in config.items() if k in names and k not in ("backend", "cache_intermediates")})
+    return Model(**{k: v for k, v in config.items() if k in names and k not in ("backend", "cache_intermediates", "recompute_states")})
 
 
 def read_exported(path: str | Path, family: str | None = None):

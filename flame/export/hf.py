@@ -47,7 +47,7 @@ class FlameConfig(PretrainedConfig):
     def __init__(self, **kwargs):
         values = {name: kwargs.pop(name, default) for name, default in model_fields().items()}
         values["backend"] = "auto"  # the exporting run's kernels may not exist where it is loaded
-        values["cache_intermediates"] = False
+        values["cache_intermediates"] = values["recompute_states"] = False  # training memory options
         kwargs.setdefault("use_cache", False)
         super().__init__(tie_word_embeddings=bool(values["tie_word_embeddings"]), **kwargs)
         for name, value in values.items():

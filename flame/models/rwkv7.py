@@ -44,6 +44,7 @@ class RWKV7Attention(nn.Module):
         self.num_heads, self.head_dim = rwkv_heads(args)
         self.backend = args.backend
         self.cache_intermediates = args.cache_intermediates
+        self.recompute_states = args.recompute_states
         C = args.hidden_size
         ranks = init.rwkv7_lora_ranks(C)
         rank_w = args.decay_low_rank_dim or ranks["decay"]
@@ -129,7 +130,7 @@ class RWKV7Attention(nn.Module):
             o, _ = ops.chunk_rwkv7(
                 r, w, k, v, -kappa, kappa * a,
                 scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend, gate_lower_bound=-DECAY_BOUND,
-                cache_intermediates=self.cache_intermediates,
+                cache_intermediates=self.cache_intermediates, recompute_states=self.recompute_states,
             )
         else:
             o = state.attend(ops.chunk_rwkv7, ops.fused_recurrent_rwkv7, r, w, k, v, -kappa, kappa * a,

@@ -88,9 +88,11 @@ def test_config_sizes_match_the_issue():
         assert t.mixed_precision_param == "bfloat16" and t.max_norm == 1.0 and cfg.metrics.log_freq == 10
 
 
-@pytest.mark.parametrize("overrides, cache", [({}, False), ({"cache_intermediates": True}, True)])
-def test_rwkv7_cache_intermediates_reaches_the_op(monkeypatch, overrides, cache):
-    """model.cache_intermediates is passed by every RWKV7 layer to chunk_rwkv7 (default off)."""
+@pytest.mark.parametrize("overrides, expected", [({}, (False, False)), ({"cache_intermediates": True}, (True, False)),
+                                                 ({"recompute_states": True}, (False, True))])
+def test_rwkv7_kernel_memory_options_reach_the_op(monkeypatch, overrides, expected):
+    """model.cache_intermediates and model.recompute_states are passed by every RWKV7 layer to
+    chunk_rwkv7 (both default off)."""
     from flame import ops
     from tests.models.helpers import build_seeded, tiny_args
 
@@ -98,11 +100,11 @@ def test_rwkv7_cache_intermediates_reaches_the_op(monkeypatch, overrides, cache)
     real = ops.chunk_rwkv7
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("cache_intermediates"))
+        seen.append((kwargs.get("cache_intermediates"), kwargs.get("recompute_states")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops, "chunk_rwkv7", spy)
     args = tiny_args("rwkv7", **overrides)
     model = build_seeded(args)
     model(torch.randint(0, args.vocab_size, (1, 8)))
-    assert seen == [cache] * args.num_layers
+    assert seen == [expected] * args.num_layers

@@ -171,7 +171,8 @@ def _op(module, name):
     return getattr(importlib.import_module(f"flame.ops.{module}"), name)
 
 
-CACHE = ({"cache_intermediates": False}, {"cache_intermediates": True})
+# the backward with kept intermediates, recomputed ones, and recomputed states (`_scan_pair_kernel`)
+CACHE = ({"cache_intermediates": False}, {"cache_intermediates": True}, {"recompute_states": True})
 # one case per family, op and regime (each costs 6-65 s of compiling on one core; the suite keeps
 # the 16-bit cases, whose kernels differ most, and fp32 where a regime has no 16-bit case here)
 CASES = {

@@ -78,10 +78,12 @@ def test_fixed_length_chunk_op_traces_into_one_graph(family, op, extra):
             torch.testing.assert_close(compiled[2][name], grad, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
 
 
-@pytest.mark.parametrize("family", ["rwkv7", "rwkv7_cached", "rwkv7_cached_centred", "rwkv6", "gsa"])
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv7_cached", "rwkv7_cached_centred", "rwkv7_recompute_states",
+                                    "rwkv6", "gsa"])
 def test_chunk_custom_ops_pass_opcheck(family):
     """The forward ops' schemas, fake (meta) implementations and compiled autograd; RWKV7 with and
-    without cached intermediates, and in the centred regime (a per-chunk regime record)."""
+    without cached intermediates, in the centred regime (a per-chunk regime record), and with the
+    states recomputed from an initial state in the backward."""
     variant = family
     family = family.split("_")[0]
     importlib.import_module(f"flame.ops.{family}.chunk_triton")  # registers the ops
@@ -90,8 +92,10 @@ def test_chunk_custom_ops_pass_opcheck(family):
     if family == "rwkv7":
         op = torch.ops.flame.chunk_rwkv7_fwd.default
         bound = -0.5 if variant.endswith("centred") else None
-        args = tuple(inputs[n] for n in ("r", "w", "k", "v", "a", "b")) + (None, 1.0, bound, True, True,
-                                                                           "cached" in variant)
+        recompute = variant.endswith("recompute_states")
+        h0 = inputs["initial_state"] if recompute else None
+        args = tuple(inputs[n] for n in ("r", "w", "k", "v", "a", "b")) + (h0, 1.0, bound, True, True,
+                                                                           "cached" in variant, recompute)
     elif family == "rwkv6":
         op = torch.ops.flame.chunk_rwkv6_fwd.default
         args = tuple(inputs[n] for n in ("r", "k", "v", "w", "u")) + (None, 1.0, True, 64)

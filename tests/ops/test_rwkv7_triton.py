@@ -335,6 +335,61 @@ def test_cached_intermediates_match_recompute():
             assert torch.equal(recompute[2][name], cached[2][name]), f"d{name} differs with caching"
 
 
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_recomputed_states_match_kept_states(cache, varlen):
+    """recompute_states: the backward's own forward scan (from the initial states) gives bitwise the
+    gradients of the states that the forward kept, in both regimes, with and without cached
+    intermediates, fixed-length (the custom ops) and packed (the autograd Function), partial chunks
+    included; and those gradients match the fp64 oracle."""
+    lengths = [1, 15, 64, 65, 30]
+    cu = make_cu_seqlens(lengths, device=DEVICE) if varlen else None
+    inputs = rwkv7_inputs(B=1 if varlen else 2, T=sum(lengths) if varlen else 70, H=2)
+    if varlen:
+        inputs = varlen_state(inputs, len(lengths))
+    for bound in (None, LB):
+        kw = dict(gate_lower_bound=bound, cache_intermediates=cache, cu_seqlens=cu)
+        kept = _run(chunk_rwkv7_triton, inputs, 1.0, **kw)
+        recomputed = _run(chunk_rwkv7_triton, inputs, 1.0, recompute_states=True, **kw)
+        assert torch.equal(kept[0], recomputed[0]) and torch.equal(kept[1], recomputed[1])
+        for name in kept[2]:
+            assert torch.equal(kept[2][name], recomputed[2][name]), f"d{name} differs with recomputed states"
+    check_against_naive(chunk_rwkv7_triton, inputs, cu_seqlens=cu, gate_lower_bound=LB, cache_intermediates=cache,
+                        recompute_states=True)
+
+
+def test_public_op_passes_recompute_states(monkeypatch):
+    """chunk_rwkv7(backend="triton", recompute_states=True) reaches the kernels: the forward keeps no
+    states and the backward launches the paired scans once; by default the backward scan runs alone.
+    The PyTorch backend accepts and ignores the flag."""
+    from flame.ops.rwkv7 import chunk_triton
+
+    launches = []
+
+    class Counted:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_scan_pair_kernel", "_scan_bwd_kernel"):
+        monkeypatch.setattr(chunk_triton, name, Counted(getattr(chunk_triton, name), name))
+    inputs = rwkv7_inputs(T=40, H=2)
+    leaves = list(grad_leaves(inputs).values())
+    grads = {}
+    for recompute in (True, False):
+        o, _ = chunk_rwkv7(**inputs, backend="triton", gate_lower_bound=LB, recompute_states=recompute)
+        del launches[:]
+        grads[recompute] = torch.autograd.grad(o, leaves, random_like(o, 3), allow_unused=True)
+        assert launches == ["_scan_pair_kernel" if recompute else "_scan_bwd_kernel"]
+    for g_recomputed, g_kept in zip(grads[True], grads[False]):
+        assert (g_recomputed is None and g_kept is None) or torch.equal(g_recomputed, g_kept)
+    torch_o, _ = chunk_rwkv7(**to_reference(inputs), backend="torch", recompute_states=True)
+    assert_close("o", torch_o, o, RATIO[torch.float32])
+
+
 def test_public_op_passes_cache_intermediates(monkeypatch):
     """chunk_rwkv7(backend="triton", cache_intermediates=True) reaches the kernels (the forward keeps its
     intermediates, so the backward runs no `_prepare`; by default it recomputes them), and gives the
@@ -443,6 +498,22 @@ def test_gpu_realistic_shapes_bf16(B, T, H, K, V):
     inputs = rwkv7_inputs(B=B, T=T, H=H, K=K, V=V, dtype=torch.bfloat16)
     for fn in (chunk_centred, chunk_exact, fused_recurrent_rwkv7_triton):
         check_against_naive(fn, inputs, ratio=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", [False, True])
+def test_gpu_recomputed_states_bf16(cache):
+    """recompute_states at the rwkv7_340M layer's shape (B8 T2048 H16 K64, bf16, centred regime): the
+    backward's paired scans give the gradients of kept states (the same arithmetic, compiled into
+    another kernel), and match the fp64 oracle on a smaller batch."""
+    inputs = rwkv7_inputs(B=8, T=2048, H=16, K=64, V=64, dtype=torch.bfloat16)
+    kept = _run(chunk_centred, inputs, 1.0, cache_intermediates=cache)
+    recomputed = _run(chunk_centred, inputs, 1.0, cache_intermediates=cache, recompute_states=True)
+    assert torch.equal(kept[0], recomputed[0])
+    for name in kept[2]:
+        assert_close(f"d{name}", kept[2][name], recomputed[2][name], 1e-5, atol=1e-6)
+    small = rwkv7_inputs(B=1, T=2048, H=2, K=64, V=64, dtype=torch.bfloat16)
+    check_against_naive(chunk_centred, small, ratio=1e-2, cache_intermediates=cache, recompute_states=True)
 
 
 @pytest.mark.gpu

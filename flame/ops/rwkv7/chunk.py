@@ -9,7 +9,7 @@ from .chunk_torch import chunk_rwkv7_torch
 
 
 def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                backend="auto", gate_lower_bound=None, cache_intermediates=False):
+                backend="auto", gate_lower_bound=None, cache_intermediates=False, recompute_states=False):
     """RWKV7 attention (the DPLR delta rule, kernels.md 2.1) in chunked form.
 
     Args:
@@ -27,6 +27,10 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
             per-chunk intermediates for the backward instead of recomputing them, 1600 bytes per token
             and head (instead of the 128 that the recomputation starts from) for a faster backward
             (H100, B8 T2048 H16 D64, bf16: forward+backward 2.36 ms instead of 2.63).
+        recompute_states: Triton backend only (the PyTorch one ignores it): the forward does not keep
+            the per-chunk states (K * V fp32 per chunk and head: 512 bytes per token and head at
+            K = V = 64), and the backward runs the forward scan again for them, in the same launch as
+            its own scan. Combines with cache_intermediates.
 
     Returns:
         (o [B, T, H, V] in the input dtype, final state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None).
@@ -43,5 +47,5 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
         if resolve_backend(backend, r.device, "chunk_rwkv7") == "triton":
             from .chunk_triton import chunk_rwkv7_triton
             return chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                                      gate_lower_bound, cache_intermediates)
+                                      gate_lower_bound, cache_intermediates, recompute_states)
         return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)

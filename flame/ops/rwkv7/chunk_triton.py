@@ -480,8 +480,19 @@ def _scan_fwd_kernel(
     USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """One sequence*head and V-block: O = Q' S + E V and S <- A S + C^T V, chunk after chunk."""
-    i_nh = tl.program_id(0)
-    i_v = tl.program_id(1)
+    _scan_fwd_program(v, Qs, Es, Cs, As, h0, hs, ht, o, cu_seqlens, chunk_offsets, tl.program_id(0), tl.program_id(1),
+                      H, K, V, BT, BK, BV, USE_H0, STORE_HS, STORE_HT, True, LOWP, PREC)
+
+
+@triton.jit
+def _scan_fwd_program(
+    v, Qs, Es, Cs, As, h0, hs, ht, o, cu_seqlens, chunk_offsets, i_nh, i_v,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr, LOWP: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The forward scan of sequence*head i_nh and V-block i_v; the states S^in of every chunk go to hs
+    (STORE_HS), the output to o (STORE_O)."""
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -510,8 +521,9 @@ def _scan_fwd_kernel(
         bv = (t0 * H + i_h) * V
         b_v = _load_rows(v + bv, p_v0, m_r & m_v[None, :])
         b_Q, b_E, b_C, b_A = _load_chunk_maps(Qs, Es, Cs, As, t0, c0 + i_t, i_h, H, K, BT, p_k0, p_t0, a_off, m_r, m_k)
-        b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
-        tl.store(o + bv + p_v0, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
+        if STORE_O:
+            b_o = _dot(b_Q, S, LOWP, PREC) + _dot(b_E, b_v, LOWP, PREC)
+            tl.store(o + bv + p_v0, _cast(b_o, o, LOWP), mask=m_r & m_v[None, :])
         S = mm_prec(b_A, S, PREC) + _dot(tl.trans(b_C), b_v, LOWP, PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
@@ -529,8 +541,36 @@ def _scan_bwd_kernel(
 ):
     """One sequence*head and V-block, last chunk first: dV = E^T dO + C dS and dS <- A^T dS + Q'^T dO;
     dS^out of every chunk goes to dhs."""
-    i_nh = tl.program_id(0)
-    i_v = tl.program_id(1)
+    _scan_bwd_program(do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets, tl.program_id(0),
+                      tl.program_id(1), H, K, V, BT, BK, BV, USE_DHT, STORE_DH0, LOWP, PREC)
+
+
+@triton.jit
+def _scan_pair_kernel(
+    v, do, Qs, Es, Cs, As, h0, hs, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    """The backward's two scans in one launch, for a forward that did not keep its states: programs
+    of grid axis 2 = 0 run the forward scan again for the states hs (no output), those of axis 2 = 1
+    the backward scan. The two are independent and each is latency-bound (one program per sequence,
+    head and V-block walks all chunks), so they share the GPU's SMs instead of running one after the
+    other."""
+    if tl.program_id(2) == 0:
+        _scan_fwd_program(v, Qs, Es, Cs, As, h0, hs, None, None, cu_seqlens, chunk_offsets, tl.program_id(0),
+                          tl.program_id(1), H, K, V, BT, BK, BV, USE_H0, True, False, False, LOWP, PREC)
+    else:
+        _scan_bwd_program(do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets, tl.program_id(0),
+                          tl.program_id(1), H, K, V, BT, BK, BV, USE_DHT, STORE_DH0, LOWP, PREC)
+
+
+@triton.jit
+def _scan_bwd_program(
+    do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets, i_nh, i_v,
+    H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+):
+    """The backward scan of sequence*head i_nh and V-block i_v."""
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -933,9 +973,11 @@ def _chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
     return dq, dw, dk, da, db
 
 
-def _forward(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, gate_lower_bound, need_grad, cache):
-    """o, the final state (or None), and what the backward needs: the plan, the per-chunk states hs and
-    the intermediates (all of them with `cache`, else the WY inverse Tm alone; None without need_grad)."""
+def _forward(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, gate_lower_bound, need_grad, cache,
+             keep_states=True):
+    """o, the final state (or None), and what the backward needs: the plan, the per-chunk states hs (None
+    without need_grad or `keep_states`) and the intermediates (all of them with `cache`, else the WY
+    inverse Tm alone; None without need_grad)."""
     r, w, k, v, a, b = (x.contiguous() for x in (r, w, k, v, a, b))
     plan = _Plan(r, v, cu_seqlens, gate_lower_bound)
     H, K, V = plan.H, plan.K, plan.V
@@ -943,13 +985,13 @@ def _forward(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, gate_l
     # the backward needs Tm: the forward keeps it also when it recomputes the rest (128 bytes per token
     # and head at C = 32; its inverse is the longest chain of the recomputation)
     pre = _prepare(plan, r, w, k, a, b, scale, store_bwd=cache, keep_tm=need_grad)
-    hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32) if need_grad else None
+    hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32) if need_grad and keep_states else None
     ht = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if output_final_state else None
     h0 = h0.contiguous() if h0 is not None else None
     o = torch.empty_like(v)
     _scan_fwd_kernel[(plan.N * H, plan.NV)](
         v, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
-        H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=need_grad,
+        H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=hs is not None,
         STORE_HT=output_final_state, LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN,
         num_stages=plan.scan_stages,
     )
@@ -957,21 +999,28 @@ def _forward(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, gate_l
     return o, ht, plan, hs, saved
 
 
-def _backward(plan, saved, r, w, k, v, a, b, hs, scale, has_h0, do, dht):
-    """dr, dw, dk, dv, da, db and dh0 (None without an initial state) of one call."""
+def _backward(plan, saved, r, w, k, v, a, b, hs, scale, h0, has_h0, do, dht):
+    """dr, dw, dk, dv, da, db and dh0 (None without an initial state) of one call. `hs` None: the forward
+    did not keep its states, and the backward scan's launch runs the forward scan again for them
+    (`_scan_pair_kernel`, from the initial state h0)."""
     H, K, V = plan.H, plan.K, plan.V
     pre = saved if "Qs" in saved else _prepare(plan, r, w, k, a, b, scale, store_bwd=True, keep_tm=True,
                                                  tm=saved["Tm"])
     do = do.contiguous()
-    dhs = torch.empty_like(hs)
+    dht = dht.contiguous() if dht is not None else None
+    dhs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32)
     dh0 = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if has_h0 else None
     dv = torch.empty_like(v)
-    _scan_bwd_kernel[(plan.N * H, plan.NV)](
-        do, pre["Qs"], pre["Es"], pre["Cs"], pre["As"], dht.contiguous() if dht is not None else None,
-        dhs, dh0, dv, plan.cu, plan.chunk_offsets,
-        H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
-        LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN, num_stages=plan.scan_stages,
-    )
+    maps = (pre["Qs"], pre["Es"], pre["Cs"], pre["As"])
+    shapes = dict(H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
+                  LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN, num_stages=plan.scan_stages)
+    if hs is None:
+        hs = torch.empty_like(dhs)
+        _scan_pair_kernel[(plan.N * H, plan.NV, 2)](
+            v, do, *maps, h0.contiguous() if has_h0 else None, hs, dht, dhs, dh0, dv, plan.cu, plan.chunk_offsets,
+            USE_H0=has_h0, **shapes)
+    else:
+        _scan_bwd_kernel[(plan.N * H, plan.NV)](do, *maps, dht, dhs, dh0, dv, plan.cu, plan.chunk_offsets, **shapes)
     dr, dw, dk, da, db = _chunk_bwd(plan, pre, r, w, k, v, a, b, do, hs, dhs, scale)
     return dr, dw, dk, dv, da, db, dh0
 
@@ -981,23 +1030,25 @@ class ChunkRWKV7Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, gate_lower_bound,
-                cache_intermediates):
+                cache_intermediates, recompute_states):
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 4, 5, 7))
         o, ht, plan, hs, saved = _forward(r, w, k, v, a, b, scale, initial_state, output_final_state,
-                                          cu_seqlens, gate_lower_bound, need_grad, cache_intermediates)
+                                          cu_seqlens, gate_lower_bound, need_grad, cache_intermediates,
+                                          keep_states=not recompute_states)
         if need_grad:
-            ctx.save_for_backward(*(x.contiguous() for x in (r, w, k, v, a, b)), hs)
+            ctx.save_for_backward(*(x.contiguous() for x in (r, w, k, v, a, b)), hs,
+                                  initial_state if recompute_states else None)
             ctx.plan, ctx.scale, ctx.saved = plan, scale, saved
             ctx.has_h0 = initial_state is not None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        r, w, k, v, a, b, hs = ctx.saved_tensors
+        r, w, k, v, a, b, hs, h0 = ctx.saved_tensors
         saved, ctx.saved = ctx.saved, None
-        dr, dw, dk, dv, da, db, dh0 = _backward(ctx.plan, saved, r, w, k, v, a, b, hs, ctx.scale, ctx.has_h0,
+        dr, dw, dk, dv, da, db, dh0 = _backward(ctx.plan, saved, r, w, k, v, a, b, hs, ctx.scale, h0, ctx.has_h0,
                                                 do, dht)
-        return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
+        return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1005,8 +1056,9 @@ class ChunkRWKV7Function(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------
 # A compiled block traces `torch.ops.flame.chunk_rwkv7_fwd` / `_bwd` as two opaque nodes, so Inductor
 # fuses the glue on both sides of the attention and the block stays one graph. The forward returns
-# every tensor its backward reads: the per-chunk states hs and the intermediates of `_prepare`, all of
-# them with `cache`, else the WY inverse Tm alone (the others come back empty). Their shapes follow
+# every tensor its backward reads: the per-chunk states hs (empty with `recompute_states`) and the
+# intermediates of `_prepare`, all of them with `cache`, else the WY inverse Tm alone (the others come
+# back empty). Their shapes follow
 # from the input shapes alone for fixed-length calls; varlen calls (chunk counts that depend on the
 # offsets' values) keep the autograd.Function above.
 
@@ -1036,9 +1088,10 @@ def _intermediate_shapes(r, gate_lower_bound, cache):
 @torch.library.custom_op("flame::chunk_rwkv7_fwd", mutates_args=())
 def _chunk_rwkv7_fwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                         b: torch.Tensor, h0: torch.Tensor | None, scale: float, gate_lower_bound: float | None,
-                        output_final_state: bool, need_grad: bool, cache: bool) -> list[torch.Tensor]:
+                        output_final_state: bool, need_grad: bool, cache: bool,
+                        recompute_states: bool) -> list[torch.Tensor]:
     o, ht, _, hs, saved = _forward(r, w, k, v, a, b, scale, h0, output_final_state, None, gate_lower_bound,
-                                   need_grad, cache)
+                                   need_grad, cache, keep_states=not recompute_states)
     saved = saved or {}
     empty = lambda dtype=torch.float32: r.new_empty(_EMPTY, dtype=dtype)  # noqa: E731
     shapes = _intermediate_shapes(r, gate_lower_bound, cache and need_grad)
@@ -1047,7 +1100,7 @@ def _chunk_rwkv7_fwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: to
 
 
 @_chunk_rwkv7_fwd_op.register_fake
-def _(r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad, cache):
+def _(r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad, cache, recompute_states):
     B, T, H, K = r.shape
     V = v.shape[-1]
     _, nt, _ = _fixed_length_shapes(r, gate_lower_bound)
@@ -1055,16 +1108,16 @@ def _(r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_gr
     f32 = dict(dtype=torch.float32)
     return [torch.empty_like(v, memory_format=torch.contiguous_format),
             r.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
-            r.new_empty((nt, H, K, V) if need_grad else _EMPTY, **f32),
+            r.new_empty((nt, H, K, V) if need_grad and not recompute_states else _EMPTY, **f32),
             *(r.new_empty(shape if need_grad else _EMPTY, dtype=dtype) for shape, dtype in
               (shapes[name] for name in _INTERMEDIATES))]
 
 
 @torch.library.custom_op("flame::chunk_rwkv7_bwd", mutates_args=())
 def _chunk_rwkv7_bwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                        b: torch.Tensor, hs: torch.Tensor, intermediates: list[torch.Tensor], do: torch.Tensor,
-                        dht: torch.Tensor | None, scale: float, gate_lower_bound: float | None, has_h0: bool,
-                        cache: bool) -> list[torch.Tensor]:
+                        b: torch.Tensor, hs: torch.Tensor, h0: torch.Tensor | None, intermediates: list[torch.Tensor],
+                        do: torch.Tensor, dht: torch.Tensor | None, scale: float, gate_lower_bound: float | None,
+                        has_h0: bool, cache: bool, recompute_states: bool) -> list[torch.Tensor]:
     r, w, k, v, a, b = (x.contiguous() for x in (r, w, k, v, a, b))
     plan = _Plan(r, v, None, gate_lower_bound)
     named = dict(zip(_INTERMEDIATES, intermediates))
@@ -1072,13 +1125,13 @@ def _chunk_rwkv7_bwd_op(r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: to
         saved = {name: (x if x.numel() else None) for name, x in named.items()}
     else:
         saved = {"Tm": named["Tm"]}
-    grads = _backward(plan, saved, r, w, k, v, a, b, hs, scale, has_h0, do, dht)
+    grads = _backward(plan, saved, r, w, k, v, a, b, None if recompute_states else hs, scale, h0, has_h0, do, dht)
     dh0 = grads[-1] if grads[-1] is not None else r.new_empty(_EMPTY, dtype=torch.float32)
     return [*grads[:-1], dh0]
 
 
 @_chunk_rwkv7_bwd_op.register_fake
-def _(r, w, k, v, a, b, hs, intermediates, do, dht, scale, gate_lower_bound, has_h0, cache):
+def _(r, w, k, v, a, b, hs, h0, intermediates, do, dht, scale, gate_lower_bound, has_h0, cache, recompute_states):
     B, _, H, K = r.shape
     V = v.shape[-1]
     grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (r, w, k, v, a, b)]
@@ -1086,26 +1139,28 @@ def _(r, w, k, v, a, b, hs, intermediates, do, dht, scale, gate_lower_bound, has
 
 
 def _setup_context(ctx, inputs, output):
-    r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad, cache = inputs
-    ctx.save_for_backward(r, w, k, v, a, b, *output[2:])
+    r, w, k, v, a, b, h0, scale, gate_lower_bound, output_final_state, need_grad, cache, recompute_states = inputs
+    # the backward's forward scan starts from h0 when the forward did not keep the states
+    ctx.save_for_backward(r, w, k, v, a, b, h0 if recompute_states else None, *output[2:])
     ctx.scale, ctx.gate_lower_bound, ctx.cache = scale, gate_lower_bound, cache
+    ctx.recompute_states = recompute_states
     ctx.has_h0, ctx.output_final_state = h0 is not None, output_final_state
 
 
 def _backward_op(ctx, grads):
     do, dht = grads[0], grads[1]
-    r, w, k, v, a, b, hs, *intermediates = ctx.saved_tensors
+    r, w, k, v, a, b, h0, hs, *intermediates = ctx.saved_tensors
     dr, dw, dk, dv, da, db, dh0 = torch.ops.flame.chunk_rwkv7_bwd(
-        r, w, k, v, a, b, hs, intermediates, do, dht if ctx.output_final_state else None, ctx.scale,
-        ctx.gate_lower_bound, ctx.has_h0, ctx.cache)
-    return dr, dw, dk, dv, da, db, (dh0 if ctx.has_h0 else None), None, None, None, None, None
+        r, w, k, v, a, b, hs, h0, intermediates, do, dht if ctx.output_final_state else None, ctx.scale,
+        ctx.gate_lower_bound, ctx.has_h0, ctx.cache, ctx.recompute_states)
+    return dr, dw, dk, dv, da, db, (dh0 if ctx.has_h0 else None), None, None, None, None, None, None
 
 
 _chunk_rwkv7_fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
 
 
 def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                       gate_lower_bound=None, cache_intermediates=False):
+                       gate_lower_bound=None, cache_intermediates=False, recompute_states=False):
     """Chunked RWKV7 with Triton, forward and backward. Inputs are already validated.
 
     gate_lower_bound: a claim that w >= bound everywhere. It selects the centred tensor-core regime
@@ -1119,6 +1174,11 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     more) from the WY inverse Tm alone, which the forward keeps (C fp32 per token and head: 128 bytes at
     C = 32; it saves 0.1 ms of recomputation): fwd+bwd 2.63-2.64 ms against 2.35-2.38 cached at B8
     T2048 H16 K64 bf16 on the H100.
+    recompute_states (default off): the forward does not keep the per-chunk states S^in (K*V fp32 per
+    chunk and head: 512 bytes per token and head at K = V = 64, C = 32, 3 GiB over rwkv7_340M's 24
+    layers at batch 8 x 2048); the backward runs the forward scan again for them, in the launch of its
+    own scan (`_scan_pair_kernel`): fwd+bwd 2.76 ms against 2.68 at B8 T2048 H16 K64 bf16 on the H100
+    (the two scans one after the other would add the forward scan's 0.21 ms).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)
@@ -1134,7 +1194,7 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
         o, ht, *_ = torch.ops.flame.chunk_rwkv7_fwd(
             r, w, k, v, a, b, initial_state, float(scale),
             None if gate_lower_bound is None else float(gate_lower_bound), bool(output_final_state), need_grad,
-            bool(cache_intermediates))
+            bool(cache_intermediates), bool(recompute_states))
         return o, (ht if output_final_state else None)
     return run_eager(ChunkRWKV7Function.apply, r, w, k, v, a, b, scale, initial_state, output_final_state,
-                     cu_seqlens, gate_lower_bound, cache_intermediates)
+                     cu_seqlens, gate_lower_bound, cache_intermediates, bool(recompute_states))

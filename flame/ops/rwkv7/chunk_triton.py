@@ -1012,15 +1012,15 @@ def _backward(plan, saved, r, w, k, v, a, b, hs, scale, h0, has_h0, do, dht):
     dh0 = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if has_h0 else None
     dv = torch.empty_like(v)
     maps = (pre["Qs"], pre["Es"], pre["Cs"], pre["As"])
-    shapes = dict(H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
+    launch = dict(H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
                   LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN, num_stages=plan.scan_stages)
     if hs is None:
         hs = torch.empty_like(dhs)
         _scan_pair_kernel[(plan.N * H, plan.NV, 2)](
             v, do, *maps, h0.contiguous() if has_h0 else None, hs, dht, dhs, dh0, dv, plan.cu, plan.chunk_offsets,
-            USE_H0=has_h0, **shapes)
+            USE_H0=has_h0, **launch)
     else:
-        _scan_bwd_kernel[(plan.N * H, plan.NV)](do, *maps, dht, dhs, dh0, dv, plan.cu, plan.chunk_offsets, **shapes)
+        _scan_bwd_kernel[(plan.N * H, plan.NV)](do, *maps, dht, dhs, dh0, dv, plan.cu, plan.chunk_offsets, **launch)
     dr, dw, dk, da, db = _chunk_bwd(plan, pre, r, w, k, v, a, b, do, hs, dhs, scale)
     return dr, dw, dk, dv, da, db, dh0
 
@@ -1058,9 +1058,8 @@ class ChunkRWKV7Function(torch.autograd.Function):
 # fuses the glue on both sides of the attention and the block stays one graph. The forward returns
 # every tensor its backward reads: the per-chunk states hs (empty with `recompute_states`) and the
 # intermediates of `_prepare`, all of them with `cache`, else the WY inverse Tm alone (the others come
-# back empty). Their shapes follow
-# from the input shapes alone for fixed-length calls; varlen calls (chunk counts that depend on the
-# offsets' values) keep the autograd.Function above.
+# back empty). Their shapes follow from the input shapes alone for fixed-length calls; varlen calls
+# (chunk counts that depend on the offsets' values) keep the autograd.Function above.
 
 _EMPTY = (0,)
 # the intermediates of `_prepare` that a cached forward hands to the backward, in the ops' order

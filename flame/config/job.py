@@ -94,6 +94,11 @@ class Model:
     tokens/s on one H100; with activation_checkpoint = "none" and no cache it fits in 29.8 GiB)."""
 
 
+TRAINING_MEMORY_FIELDS = ("cache_intermediates", "recompute_states")
+"""`Model` fields that only trade a training step's memory for its speed: a model loaded for
+inference or export resets them to their defaults (off)."""
+
+
 @dataclass
 class Data:
     dataset: str = field(default="embedded", metadata={"nonempty": True})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from flame.config.job import TRAINING_MEMORY_FIELDS
 from flame.train.checkpoint import COMPLETE_MARKER, STEP_DIR
 
 logger = logging.getLogger("flame.export")
@@ -244,7 +245,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model_args, tokenizer = run.model_args, run.tokenizer
         state_dict = read_model_state_dict(run.step_dir, dtype)
     model_args = untie_if_different(model_args, state_dict)
-    model_args = replace(model_args, backend=backend, cache_intermediates=False, recompute_states=False)
+    model_args = replace(model_args, backend=backend, **dict.fromkeys(TRAINING_MEMORY_FIELDS, False))
     return build_with_weights(model_args, state_dict, dtype, device), model_args, tokenizer
 
 

@@ -84,9 +84,10 @@ def model_args_from_hf_config(config: dict):
     import dataclasses
 
     from flame.config import Model
+    from flame.config.job import TRAINING_MEMORY_FIELDS
 
-    names = {f.name for f in dataclasses.fields(Model)}
-    return Model(**{k: v for k, v in config.items() if k in names and k not in ("backend", "cache_intermediates", "recompute_states")})
+    names = {f.name for f in dataclasses.fields(Model)} - {"backend", *TRAINING_MEMORY_FIELDS}
+    return Model(**{k: v for k, v in config.items() if k in names})
 
 
 def read_exported(path: str | Path, family: str | None = None):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
+from flame.config.job import TRAINING_MEMORY_FIELDS
 from flame.export.formats import HF_MODEL_TYPE as MODEL_TYPE
 
 MODELING_FILE = "modeling_flame.py"
@@ -47,7 +48,7 @@ class FlameConfig(PretrainedConfig):
     def __init__(self, **kwargs):
         values = {name: kwargs.pop(name, default) for name, default in model_fields().items()}
         values["backend"] = "auto"  # the exporting run's kernels may not exist where it is loaded
-        values["cache_intermediates"] = values["recompute_states"] = False  # training memory options
+        values.update(dict.fromkeys(TRAINING_MEMORY_FIELDS, False))
         kwargs.setdefault("use_cache", False)
         super().__init__(tie_word_embeddings=bool(values["tie_word_embeddings"]), **kwargs)
         for name, value in values.items():

@@ -128,27 +128,19 @@ def _rwkv7_args(x):
     return x["r"], x["w"], x["k"], x["v"], x["a"], x["b"]
 
 
-def _flame_chunk_rwkv7(x):
-    from flame.ops.rwkv7.chunk import chunk_rwkv7
-    return chunk_rwkv7(*_rwkv7_args(x), scale=1.0, backend="triton", gate_lower_bound=RWKV7_LOG_DECAY_BOUND)[0]
+def _flame_chunk_rwkv7(**options):
+    """flame's chunk_rwkv7 on the layer's path (the gate bound), with the memory `options` of the op."""
+    def run(x):
+        from flame.ops.rwkv7.chunk import chunk_rwkv7
+        return chunk_rwkv7(*_rwkv7_args(x), scale=1.0, backend="triton", gate_lower_bound=RWKV7_LOG_DECAY_BOUND,
+                           **options)[0]
+    return run
 
 
 def _fla_chunk_rwkv7():
     fn = fla_function("fla.ops.rwkv7", "chunk_rwkv7")
     return None if fn is None else (
         lambda x: fn(*_rwkv7_args(x), scale=1.0, lower_bound=RWKV7_LOG_DECAY_BOUND)[0])
-
-
-def _flame_chunk_rwkv7_cached(x):
-    from flame.ops.rwkv7.chunk_triton import chunk_rwkv7_triton
-    return chunk_rwkv7_triton(*_rwkv7_args(x), scale=1.0, gate_lower_bound=RWKV7_LOG_DECAY_BOUND,
-                              cache_intermediates=True)[0]
-
-
-def _flame_chunk_rwkv7_recompute_states(x):
-    from flame.ops.rwkv7.chunk_triton import chunk_rwkv7_triton
-    return chunk_rwkv7_triton(*_rwkv7_args(x), scale=1.0, gate_lower_bound=RWKV7_LOG_DECAY_BOUND,
-                              recompute_states=True)[0]
 
 
 def _flame_chunk_rwkv7_exact(x):
@@ -168,27 +160,13 @@ def _flame_fused_recurrent_rwkv7(x):
 
 RWKV7_SHAPES = (dict(B=8, T=2048, H=16, K=64, V=64), dict(B=2, T=8192, H=16, K=64, V=64))
 
-register(BenchOp(  # the layer's path: the centred tensor-core regime licensed by the gate bound (C = 32)
-    name="chunk_rwkv7",
-    shapes=RWKV7_SHAPES,
-    make_inputs=_rwkv7_inputs,
-    flame=_flame_chunk_rwkv7,
-    fla=_fla_chunk_rwkv7,
-))
-register(BenchOp(  # the same with the forward's per-chunk intermediates kept for the backward (more memory)
-    name="chunk_rwkv7_cached",
-    shapes=RWKV7_SHAPES,
-    make_inputs=_rwkv7_inputs,
-    flame=_flame_chunk_rwkv7_cached,
-    fla=_fla_chunk_rwkv7,
-))
-register(BenchOp(  # the states recomputed in the backward's scan launch instead of kept (less memory)
-    name="chunk_rwkv7_recompute_states",
-    shapes=RWKV7_SHAPES,
-    make_inputs=_rwkv7_inputs,
-    flame=_flame_chunk_rwkv7_recompute_states,
-    fla=_fla_chunk_rwkv7,
-))
+# the layer's path: the centred tensor-core regime licensed by the gate bound (C = 32); by default the
+# backward recomputes the per-chunk intermediates, "cached" keeps them from the forward (more memory),
+# "recompute_states" keeps no states and recomputes them in the backward's scan launch (less memory)
+for _name, _options in (("chunk_rwkv7", {}), ("chunk_rwkv7_cached", {"cache_intermediates": True}),
+                        ("chunk_rwkv7_recompute_states", {"recompute_states": True})):
+    register(BenchOp(name=_name, shapes=RWKV7_SHAPES, make_inputs=_rwkv7_inputs,
+                     flame=_flame_chunk_rwkv7(**_options), fla=_fla_chunk_rwkv7))
 register(BenchOp(  # no bound: exact per-pair exponents (C = 16) on both sides
     name="chunk_rwkv7_exact",
     shapes=RWKV7_SHAPES[:1],

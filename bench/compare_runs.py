@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench.scale_runs import ScaleError, read_metrics  # noqa: E402
+from bench.metrics_files import read_metrics  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a = {r["step"]: r for r in read_metrics(Path(args.a))}
         b = {r["step"]: r for r in read_metrics(Path(args.b))}
-    except ScaleError as err:
+    except FileNotFoundError as err:
         raise SystemExit(f"bench/compare_runs.py: {err}") from None
     common = sorted(set(a) & set(b))
     print("step  loss_a   loss_b   rel_diff  gnorm_a  gnorm_b  tok/s/dev_a tok/s/dev_b  mfu_a  mfu_b  mem_a")

@@ -1,60 +1,39 @@
-"""Scaling of flame's training over P GPUs of one host (or P CPU processes with --device cpu):
-FSDP and HSDP throughput, MFU, peak memory and scaling efficiency against one process, a resume
-across a SIGKILL, and a model-only load at world size 1; one `torchrun -m flame.train` at a time.
+"""Data-parallel scaling of `python -m flame.train`: per-GPU tokens/s on P GPUs against the one-GPU
+path of the same config, in the same invocation, with peak memory, where the step's time goes, a
+preempt-and-resume on P GPUs, and a model of larger clusters.
 
-    python bench/scale.py --config configs/rwkv7_1B.toml --nproc 8 [--steps 20]
-        [--global-batch-tokens 524288] [--device cuda|cpu] [--out DIR] [--results FILE]
-        [--runs fsdp,single,hsdp,resume,model_only] [--section.key value ...]
+    python -m bench.scale --configs configs/rwkv7_340M.toml[,configs/rwkv7_1B.toml,...] --nproc 2
+        [--runs single,replicate,fsdp] [--steps 30] [--warmup 10] [--profile] [--out DIR]
+        [--device cuda|cpu] [--section.key value ...]
 
-The runs, with P = --nproc, the config's per-GPU batch b and seq_len L, and
-GA = round(global-batch-tokens / (b x L x P)):
-  fsdp        P processes, FSDP over P (parallel.data_parallel_shard_degree = P), --steps S steps,
-              checkpoints at S/2 and S; it is also the uninterrupted reference of `resume` and
-              writes the checkpoint that `model_only` loads;
-  single      1 process, the same per-GPU batch (b, L, GA): the scaling baseline;
-  hsdp        P processes, replicate 2 x shard P/2 (P = 2: replicate 2 x shard 1);
-  resume      the fsdp run again in its own folder, killed with SIGKILL (torchrun's process group
-              and every rank's, at once) as soon as its step-S/2 checkpoint is COMPLETE, then
-              relaunched with the same command: its losses at steps S/2+1..S must equal the fsdp
-              run's (bitwise by default, --resume-tolerance to allow a difference);
-  model_only  1 process started from the fsdp run's step-S/2 checkpoint with
-              checkpoint.initial_load_path + initial_load_model_only. Its first loss (before any
-              update) cannot be the fsdp run's loss at that point exactly: one data-parallel rank
-              reads other batches than P ranks. It is compared instead with the untrained model's
-              loss on the same batch (the single run's step 1: same seed, same init, same data)
-              and must lie below it by at least half of what the fsdp run itself gained from
-              step 1 to step S/2+1 (a load that did not happen shows no gain at all). The fsdp
-              run's step-S/2+1 loss (the same weights on its own batch) is reported beside it;
-              the fsdp run may have trained on the 1-process run's first batch (the same epoch
-              order), so the loaded loss can be lower than that one.
-Throughput = median over the logged steps after --warmup-steps of metrics.jsonl's
-tokens_per_s_per_device and mfu (the step after a checkpoint save is left out: its time includes
-the save), peak memory = the largest memory_gib (rank 0's torch.cuda.max_memory_allocated).
-Scaling efficiency = tokens/s/GPU at P / tokens/s/GPU of `single`. The runs log every step
-(metrics.log_freq 1), skip validation, and warm the LR up over S/5 steps so that S steps train
-visibly. With --runs a subset can run in a later invocation on the same --out (resume and
-model_only need the fsdp run of the same plan); <out>/summary.json keeps every run's numbers.
+Every run launches `launch/train.sh` as a user would (torchrun, the stop signals forwarded to every
+rank), logs every step and keeps the config's per-GPU batch (batch_size x seq_len x GA), so the
+per-GPU work is the same in every run and the global batch grows with the GPUs. The runs:
 
-The script prints a markdown table and writes or updates its rows in --results (default
-bench/RESULTS.md), with the command, the device, the date and the torch/triton versions.
-Exit status: 0 when every run finished and the resume and model-only checks passed, else 1.
+  single          1 GPU: the one-GPU path (the baseline of every ratio)
+  replicate       P GPUs, a replica on each (parallel.data_parallel_shard_degree = 1)
+  fsdp            P GPUs, FSDP over P (parallel.data_parallel_shard_degree = P)
+  hsdp            P GPUs, 2 replicas of FSDP over P/2 (P >= 4)
+  nodes           2 "nodes" of P/2 GPUs each on this host (two launch/train.sh with NNODE=2,
+                  NODE_RANK=0|1, the GPUs split by CUDA_VISIBLE_DEVICES, rendezvous on
+                  localhost), flame's default choice of data parallelism
+  nodes_fsdp      the same two nodes, FSDP over P
+  preempt         the replicate run again with checkpoints, sent SIGUSR1 (to torchrun) once half of
+                  its steps are logged: every rank must save the same step and exit; the same
+                  command again resumes, and its losses must equal the replicate run's, bitwise
 
-Data: by default the embedded corpus and tokenizer (--data.dataset embedded, --data.tokenizer "",
---model.vocab_size 8192, not streamed), so that machines without network access can run it;
---config-data keeps the config's [data] and vocabulary instead.
+Throughput = median of metrics.jsonl's tokens_per_s_per_device over the steps after --warmup (the
+profiled steps left out); peak memory = the largest memory_gib (rank 0). With --profile each
+throughput run also traces its last two steps ([profiling]), and the table gives per step: GPU
+busy, compute and communication kernel time, exposed communication (collective time with no
+compute kernel running beside it) and host-bound time (step time minus GPU busy). From a replicate
+run's trace the tool also models 8 and 64 GPUs: see `cluster_model`.
 
-On a GPU machine without network access whose Python lacks torchtitan, datasets and wandb: copy
-their wheels along (here into .whl/) and, from the repository root,
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \
-    timeout 570 python3 bench/scale.py --config configs/rwkv7_1B.toml --nproc 8 \
-        --out /tmp/scale --results RESULTS.md --runs fsdp,single,hsdp
-and, where one job may run 10 minutes at most, the same with --runs resume,model_only as a second
-job on the same machine and --out (its results file then holds every row of the plan: summary.json
-in --out keeps the first job's). On SIGTERM (as from `timeout`) the script kills its running ranks.
-Keep --out on local disk with room: a 1B checkpoint with its optimizer state is ~15 GB.
-NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set in
-every run's environment (NVLink multicast stays off).
+Data: the embedded corpus and tokenizer, the config's model (vocab_size included: the tokenizer's
+8192 ids fit a padded 32000 vocabulary). The table goes to stdout and <out>/scale.md, every number
+to <out>/summary.json. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+NVSHMEM_DISABLE_NVLS=1 are set in every run's environment (NVLink multicast stays off).
+Exit status: 0 when every run finished and the preempt check passed.
 """
 
 from __future__ import annotations
@@ -62,128 +41,365 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import signal
+import socket
+import statistics
+import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
+from bench.metrics_files import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout
+RUNS = ("single", "replicate", "fsdp", "hsdp", "nodes", "nodes_fsdp", "preempt")
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+EMBEDDED_DATA = ["--data.dataset", "embedded", "--data.tokenizer", "", "--data.name", "",
+                 "--data.streaming", "false", "--data.num_workers", "0"]
+PROFILED_STEPS = 2
 
-from bench.scale_report import TABLE_HEADER, write_outputs  # noqa: E402
-from bench.scale_runs import (OWNED_KEYS, RUNS, ScaleError, device_description, make_plan,  # noqa: E402
-                              run_one)
-from bench.timing import versions  # noqa: E402
+
+class ScaleError(RuntimeError):
+    """A run failed or a check could not be made; the message says which and why."""
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, str]]:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1] + "\nAny other --section.key value is passed to every run "
-               "(it must not be one of the keys the script sets itself).")
-    parser.add_argument("--config", required=True, help="job TOML, e.g. configs/rwkv7_1B.toml")
-    parser.add_argument("--nproc", type=int, required=True, help="processes (GPUs) P, even, >= 2")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="optimizer steps S of the fsdp, hsdp, single and resume runs (even)")
-    parser.add_argument("--warmup-steps", type=int, default=5,
-                        help="first logged steps left out of the throughput medians")
-    parser.add_argument("--global-batch-tokens", type=int, default=524288,
-                        help="target tokens per optimizer step at P processes")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", default="outputs/scale", help="run folders and summary.json")
-    parser.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"),
-                        help="markdown file whose rows are written or updated")
-    parser.add_argument("--runs", default=",".join(RUNS),
-                        help=f"comma-separated subset of {','.join(RUNS)}")
-    parser.add_argument("--resume-tolerance", type=float, default=0.0,
-                        help="largest |loss difference| allowed after the resume (0: bitwise)")
-    parser.add_argument("--timeout", type=float, default=1800,
-                        help="seconds one run may take before it is killed")
-    parser.add_argument("--config-data", action="store_true",
-                        help="keep the config's [data] and vocab_size (default: embedded data)")
-    args, extra = parser.parse_known_args(argv)
-    from flame.config import ConfigError
-    from flame.config.loader import parse_command_line
+# ---- launching ---------------------------------------------------------------------------------
 
+def run_keys(args, config: str, run: str, dump: Path) -> list[str]:
+    """The trainer's arguments of one run."""
+    shard = {"replicate": 1, "preempt": 1, "fsdp": args.nproc, "nodes_fsdp": args.nproc,
+             "hsdp": args.nproc // 2}.get(run, -1)
+    keys = ["--config", config, *EMBEDDED_DATA, *args.overrides,
+            "--job.dump_folder", str(dump), "--training.steps", str(args.steps),
+            "--training.device", args.device, "--parallel.data_parallel_shard_degree", str(shard),
+            "--parallel.data_parallel_replicate_degree", "2" if run == "hsdp" else "1",
+            "--checkpoint.enable", "true" if run == "preempt" else "false",
+            "--checkpoint.interval", str(args.steps), "--checkpoint.keep_latest_k", "0",
+            "--metrics.log_freq", "1", "--metrics.val_freq", "0", "--metrics.enable_wandb", "false",
+            "--lr_scheduler.warmup_steps", str(max(1, args.steps // 5))]
+    if args.profile and run != "preempt":
+        keys += ["--profiling.enable", "true", "--profiling.steps", str(PROFILED_STEPS),
+                 "--profiling.start_step", str(args.steps - PROFILED_STEPS + 1)]
+    return keys
+
+
+def launch(args, keys: list[str], log: Path, gpus: int, *, nodes: int = 1,
+           stop_after_step: tuple[Path, int] | None = None) -> list[int]:
+    """Run launch/train.sh with `gpus` processes (over `nodes` nodes of this host) to its end, or
+    with `stop_after_step` = (metrics.jsonl, k) send SIGUSR1 once step k is logged. Returns the exit
+    codes (one per node)."""
+    port = free_port()
+    per_node = gpus // nodes
+    procs = []
+    with open(log, "ab") as out:
+        for node in range(nodes):
+            env = dict(os.environ, **NCCL_ENV, NGPU=str(per_node), NNODE=str(nodes), NODE_RANK=str(node),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOG_DIR=str(log.parent / f"{log.stem}-logs"),
+                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            if args.device == "cpu":
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            elif nodes > 1:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * per_node + i) for i in range(per_node))
+            command = ["bash", str(ROOT / "launch" / "train.sh"), *keys]
+            out.write(f"$ NNODE={nodes} NODE_RANK={node} NGPU={per_node} {shlex.join(command)}\n".encode())
+            out.flush()
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True, cwd=ROOT))
+        signalled = False
+        deadline = time.monotonic() + args.timeout
+        try:
+            while any(p.poll() is None for p in procs):
+                if stop_after_step and not signalled and logged_steps(stop_after_step[0]) >= stop_after_step[1]:
+                    procs[0].send_signal(signal.SIGUSR1)
+                    signalled = True
+                if time.monotonic() > deadline:
+                    raise ScaleError(f"timed out after {args.timeout:.0f}s (--timeout); log {log}")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    return [p.returncode for p in procs]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def logged_steps(metrics: Path) -> int:
     try:
-        command_line = parse_command_line(extra)
-    except ConfigError as err:
-        parser.error(str(err))
-    if command_line.config is not None or command_line.help or command_line.print_config:
-        parser.error("give --config once, to bench/scale.py; --help/--print-config are not passed on")
-    owned = sorted(set(command_line.overrides) & set(OWNED_KEYS))
-    if owned:
-        parser.error(f"{', '.join('--' + k for k in owned)} is set by bench/scale.py for each run "
-                     f"(use --steps, --global-batch-tokens, --nproc, --out)")
-    return args, dict(command_line.overrides)
+        return sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line)
+    except OSError:
+        return 0
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+# ---- reading a run -----------------------------------------------------------------------------
+
+def throughput(args, dump: Path) -> dict:
+    """Median tokens/s per GPU after the warm-up (profiled steps left out), peak memory, losses."""
+    records = read_metrics(dump / "metrics.jsonl")
+    if [r["step"] for r in records] != list(range(1, args.steps + 1)):
+        raise ScaleError(f"{dump}/metrics.jsonl does not log steps 1..{args.steps}")
+    last_timed = args.steps - (PROFILED_STEPS + 1 if args.profile else 0)
+    timed = [r for r in records if args.warmup < r["step"] <= last_timed]
+    if not timed:
+        raise ScaleError(f"no step between --warmup {args.warmup} and the profiled steps: raise --steps")
+    return {
+        "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed),
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "peak_memory_gib": max((r.get("memory_gib", 0.0) for r in records), default=0.0) or None,
+        "losses": {r["step"]: r["loss"] for r in records},
+    }
+
+
+def trace_breakdown(trace: Path, steps: int) -> dict:
+    """Per-step GPU time of a Chrome trace (torch.profiler's): busy (any kernel), compute
+    (non-collective kernels), communication (NCCL kernels), exposed communication (NCCL time with
+    no compute kernel beside it), and the bytes the all-reduces moved."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    compute, comm, reduced = [], [], 0
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "kernel":
+            continue
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        if "nccl" in e["name"].lower():
+            comm.append(span)
+        else:
+            compute.append(span)
+    for e in events:  # the host-side records of the collectives carry their message sizes
+        a = e.get("args", {})
+        if e.get("ph") == "X" and e.get("name") == "record_param_comms" and \
+                str(a.get("Collective name", "")).replace("_", "") == "allreduce":
+            reduced += int(a.get("In msg nelems", 0)) * _dtype_bytes(a.get("dtype", "Float"))
+    busy_ms = union_us(compute + comm) / 1e3 / steps
+    compute_ms = union_us(compute) / 1e3 / steps
+    return {"gpu_busy_ms": busy_ms, "compute_ms": compute_ms, "comm_ms": union_us(comm) / 1e3 / steps,
+            "exposed_comm_ms": busy_ms - compute_ms, "all_reduce_bytes": reduced // steps}
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4}.get(str(name), 4)
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+# ---- the runs ----------------------------------------------------------------------------------
+
+def run_throughput(args, config: str, run: str, out: Path) -> dict:
+    dump = out / run
+    log = out / f"{run}.log"
+    gpus = 1 if run == "single" else args.nproc
+    nodes = 2 if run.startswith("nodes") else 1
+    codes = launch(args, run_keys(args, config, run, dump), log, gpus, nodes=nodes)
+    if any(codes):
+        raise ScaleError(f"{run} exited with {codes}; log {log}:\n{tail(log)}")
+    result = throughput(args, dump)
+    result["gpus"] = gpus
+    choice = [line for line in log.read_text(errors="replace").splitlines() if "data parallel:" in line]
+    result["data_parallel"] = choice[0].split("data parallel:", 1)[1].strip() if choice else "one rank"
+    trace = dump / "profile" / "rank0.json"
+    if args.profile and trace.is_file():
+        result.update(trace_breakdown(trace, PROFILED_STEPS))
+        result["host_bound_ms"] = result["step_time_s"] * 1e3 - result["gpu_busy_ms"]
+    return result
+
+
+def run_preempt(args, config: str, out: Path, reference: dict) -> dict:
+    """SIGUSR1 once half the steps are logged; every rank saves the same step; the same command
+    resumes; the resumed losses equal the uninterrupted replicate run's."""
+    dump, log = out / "preempt", out / "preempt.log"
+    keys = run_keys(args, config, "preempt", dump)
+    half = args.steps // 2
+    codes = launch(args, keys, log, args.nproc, stop_after_step=(dump / "metrics.jsonl", half))
+    saved = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").glob("step-*")
+                   if (p / "COMPLETE").is_file())
+    text = log.read_text(errors="replace")
+    stopped = [line for line in text.splitlines() if "stopped by SIGUSR1 at step" in line]
+    if len(saved) != 1 or not half <= saved[0] < args.steps:
+        raise ScaleError(f"preempt: expected one checkpoint between steps {half} and {args.steps - 1}, "
+                         f"found {saved} (exit codes {codes}); log {log}:\n{tail(log)}")
+    step = saved[0]
+    codes_again = launch(args, keys, log, args.nproc)
+    if any(codes_again):
+        raise ScaleError(f"preempt: the resumed run exited with {codes_again}; log {log}:\n{tail(log)}")
+    losses = {r["step"]: r["loss"] for r in read_metrics(dump / "metrics.jsonl")}
+    compared = list(range(step + 1, args.steps + 1))
+    diffs = [abs(losses[s] - reference["losses"][s]) for s in compared]
+    return {"gpus": args.nproc, "stopped_at_step": step, "exit_codes": codes,
+            "rank_stop_lines": len(stopped), "compared_steps": len(compared),
+            "max_abs_loss_diff": max(diffs), "passed": max(diffs) == 0.0}
+
+
+def cluster_model(compute_ms: float, grad_bytes: int, busbw_gbs: float, gpus: int,
+                  backward_fraction: float, ga: int) -> dict:
+    """A replicated step on `gpus` GPUs, on paper: a ring all-reduce of the step's gradients
+    (`grad_bytes`) moves 2 (N-1)/N of them through each GPU's link at the bus bandwidth
+    `busbw_gbs`; it overlaps the last micro-batch's backward (`backward_fraction` of a micro-batch's
+    compute, 1/ga of the step's compute) and what does not fit is exposed. Efficiency = compute /
+    (compute + exposed)."""
+    comm_ms = 2 * (gpus - 1) / gpus * grad_bytes / (busbw_gbs * 1e9) * 1e3
+    hidden_ms = backward_fraction * compute_ms / ga
+    exposed_ms = max(0.0, comm_ms - hidden_ms)
+    return {"gpus": gpus, "busbw_gbs": busbw_gbs, "all_reduce_ms": comm_ms, "exposed_ms": exposed_ms,
+            "efficiency": compute_ms / (compute_ms + exposed_ms)}
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def fmt(value, pattern="{:,.1f}") -> str:
+    return "—" if value is None else pattern.format(value)
+
+
+def table(results: dict) -> str:
+    lines = ["| config | run | GPUs | data parallel | tok/s/GPU | x 1 GPU | peak GiB/GPU | step ms | "
+             "GPU busy ms | compute ms | comm ms | exposed comm ms | host-bound ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in results.items():
+        base = runs.get("single", {}).get("tokens_per_s_per_gpu")
+        for run, r in runs.items():
+            if run == "preempt" or run == "model":
+                continue
+            if "error" in r:
+                lines.append(f"| {name} | {run} | | FAILED: {r['error'].splitlines()[0][:160]} |" + " |" * 9)
+                continue
+            ratio = r["tokens_per_s_per_gpu"] / base if base else None
+            lines.append(
+                f"| {name} | {run} | {r['gpus']} | {r['data_parallel']} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                f"{fmt(ratio, '{:.3f}')} | {fmt(r['peak_memory_gib'])} | {r['step_time_s'] * 1e3:,.1f} | "
+                f"{fmt(r.get('gpu_busy_ms'))} | {fmt(r.get('compute_ms'))} | {fmt(r.get('comm_ms'))} | "
+                f"{fmt(r.get('exposed_comm_ms'))} | {fmt(r.get('host_bound_ms'))} |")
+    for name, runs in results.items():
+        p = runs.get("preempt")
+        if p and "error" not in p:
+            lines.append(f"\n{name} preempt on {p['gpus']} GPUs: SIGUSR1 after step {p.get('stopped_at_step')}"
+                         f" -> checkpoint at step {p['stopped_at_step']}, exit codes {p['exit_codes']}; resumed "
+                         f"losses of steps {p['stopped_at_step'] + 1}..: max |diff| {p['max_abs_loss_diff']:.3g} "
+                         f"against the uninterrupted replicate run ({'bitwise' if p['passed'] else 'NOT equal'})")
+        elif p:
+            lines.append(f"\n{name} preempt: FAILED: {p['error'].splitlines()[0][:300]}")
+        for m in runs.get("model", []):
+            lines.append(f"{name} on {m['gpus']} GPUs, modelled: all-reduce {m['all_reduce_ms']:.1f} ms at "
+                         f"{m['busbw_gbs']:.0f} GB/s bus bandwidth, exposed {m['exposed_ms']:.1f} ms, "
+                         f"efficiency {m['efficiency']:.3f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--configs", required=True, help="comma-separated job TOMLs")
+    parser.add_argument("--nproc", type=int, default=2, help="GPUs P of the multi-GPU runs")
+    parser.add_argument("--runs", default="single,replicate,fsdp", help=f"comma-separated of {','.join(RUNS)}")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
+    parser.add_argument("--profile", action="store_true", help="trace the last 2 steps of each run")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--internode-busbw", type=float, default=45.0,
+                        help="all-reduce bus bandwidth (GB/s) between nodes for the 64-GPU model")
+    parser.add_argument("--out", default="outputs/scale")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    args, overrides = parser.parse_known_args(argv)
+    args.overrides = overrides
+    requested = [r for r in args.runs.split(",") if r]
+    unknown = [r for r in requested if r not in RUNS]
+    args.runs = [r for r in RUNS if r in requested]
+    problems = [f"--runs: unknown {unknown}; choose from {','.join(RUNS)}"] if unknown else []
+    if args.nproc < 2 or args.nproc % 2:
+        problems.append(f"--nproc must be even and >= 2, got {args.nproc}")
+    if "hsdp" in args.runs and args.nproc < 4:
+        problems.append("hsdp needs --nproc >= 4 (2 replicas of FSDP over P/2)")
+    if not 0 <= args.warmup < args.steps - (PROFILED_STEPS + 1 if args.profile else 0):
+        problems.append("--warmup must leave timed steps before the profiled ones: raise --steps")
+    if problems:
+        parser.error("; ".join(problems))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = parse_args(argv)
-    try:
-        plan = make_plan(args, extra)
-        device = device_description(plan.device)
-    except ScaleError as err:
-        print(f"bench/scale.py: {err}", file=sys.stderr)
-        return 2
-    requested = {r.strip() for r in args.runs.split(",") if r.strip()}
-    runs = [r for r in RUNS if r in requested]  # fsdp first: resume and model_only use it
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    results = Path(args.results)
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    plan_record = json.loads(json.dumps(asdict(plan)))
-    if summary.get("plan") != plan_record:  # another plan: nothing of the old one applies
-        summary = {}
-    elif "fsdp" in runs:  # a new fsdp run: the checks made against the old one are stale
-        summary = {k: v for k, v in summary.items() if k not in ("resume", "model_only")}
-    summary["plan"] = plan_record
-    dependent = [r for r in runs if r in ("resume", "model_only")]
-    if dependent and "fsdp" not in runs and "fsdp" not in summary:
-        print(f"bench/scale.py: {', '.join(dependent)} need(s) the fsdp run of this plan, which "
-              f"{summary_path} does not hold: add fsdp to --runs (or use the --out and the "
-              f"arguments of the invocation that ran it)", file=sys.stderr)
-        return 2
-
-    measured = f"{datetime.date.today().isoformat()}, {device}, {versions()}"
-    invocation = shlex.join(["python", "bench/scale.py", *(sys.argv[1:] if argv is None else argv)])
-    print(f"bench/scale.py: {plan.name}, P = {plan.nproc}, per-GPU batch {plan.batch_size} x "
-          f"seq_len {plan.seq_len} x GA {plan.grad_accum} -> global batch "
-          f"{plan.global_batch_tokens:,} tokens at P; {plan.steps} steps; {device}", flush=True)
-    previous_handler = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:
-        for run in runs:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    out_root = Path(args.out).resolve()
+    out_root.mkdir(parents=True, exist_ok=True)
+    summary_path = out_root / "summary.json"
+    results = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
+    failed = False
+    for config in args.configs.split(","):
+        name = Path(config).stem
+        runs = results.setdefault(name, {})
+        out = out_root / name
+        out.mkdir(exist_ok=True)
+        for run in args.runs:
+            print(f"== {name}: {run}", flush=True)
             started = time.monotonic()
-            print(f"\n== {run} ({plan.label(run)}) ==", flush=True)
             try:
-                result = run_one(run, plan, summary, out, args.timeout, args.resume_tolerance)
+                if run == "preempt":
+                    if "tokens_per_s_per_gpu" not in runs.get("replicate", {}):
+                        raise ScaleError("preempt compares with the replicate run: run it first")
+                    runs[run] = run_preempt(args, config, out, runs["replicate"])
+                    failed |= not runs[run]["passed"]
+                else:
+                    runs[run] = run_throughput(args, config, run, out)
             except ScaleError as err:
-                print(f"{run}: FAILED: {err}", file=sys.stderr, flush=True)
-                world = plan.nproc if run in ("fsdp", "hsdp", "resume") else 1
-                result = {"error": str(err), "world": world}
-            result.update(measured=measured, invocation=invocation,
-                          wall_s=round(time.monotonic() - started, 1))
-            summary[run] = result
-            rows = write_outputs(plan, summary, summary_path, results)  # after each run
-    finally:
-        signal.signal(signal.SIGTERM, previous_handler)
-
-    print("\n" + TABLE_HEADER + "\n" + "\n".join(rows))
-    print(f"\nrows written to {results}; details in {summary_path}")
-    failed = [r for r in runs if "error" in summary[r] or summary[r].get("passed") is False]
-    if failed:
-        print(f"bench/scale.py: failed: {', '.join(failed)}", file=sys.stderr)
+                print(f"{name} {run}: FAILED: {err}", file=sys.stderr, flush=True)
+                runs[run] = {"error": str(err)}
+                failed = True
+            runs[run]["wall_s"] = round(time.monotonic() - started, 1)
+            rep, single = runs.get("replicate", {}), runs.get("single", {})
+            if run == "replicate" and rep.get("all_reduce_bytes") and rep.get("comm_ms") and "compute_ms" in single:
+                p = args.nproc
+                busbw = rep["all_reduce_bytes"] * 2 * (p - 1) / p / (rep["comm_ms"] / 1e3) / 1e9
+                ga = int(next((v for k, v in zip(args.overrides, args.overrides[1:])
+                               if k == "--training.gradient_accumulation_steps"), 0)) or config_ga(config)
+                runs["model"] = [cluster_model(single["compute_ms"], rep["all_reduce_bytes"], bw, n, 2 / 3, ga)
+                                 for n, bw in ((p, busbw), (8, busbw), (64, args.internode_busbw))]
+            summary_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    report = table(results)
+    header = (f"bench/scale.py on {device_name(args.device)}, {datetime.date.today()}, "
+              f"{versions()}: `python -m bench.scale {shlex.join(sys.argv[1:] if argv is None else argv)}`")
+    (out_root / "scale.md").write_text(header + "\n\n" + report + "\n")
+    print("\n" + header + "\n\n" + report)
     return 1 if failed else 0
 
 
-def stop_on_sigterm(signum, frame):
-    """`timeout` and job schedulers stop a job with SIGTERM: leave through the KeyboardInterrupt path
-    of `launch`, which kills the running ranks (they live in sessions of their own)."""
-    raise KeyboardInterrupt(f"signal {signum}")
+def config_ga(config: str) -> int:
+    import tomllib
 
+    with open(config, "rb") as f:
+        return int(tomllib.load(f).get("training", {}).get("gradient_accumulation_steps", 1))
+
+
+def device_name(device: str) -> str:
+    if device == "cpu":
+        return f"CPU ({os.cpu_count()} cores)"
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count(), "
+                            "torch.cuda.get_device_name(0))"], capture_output=True, text=True)
+    count, _, name = probe.stdout.strip().partition(" ")
+    return f"{count}x {name}" if probe.returncode == 0 else "unknown GPU"
+
+
+def versions() -> str:
+    probe = subprocess.run([sys.executable, "-c", "import torch, triton; print(torch.__version__, triton.__version__)"],
+                           capture_output=True, text=True)
+    parts = probe.stdout.split()
+    return f"torch {parts[0]}, triton {parts[1]}" if len(parts) == 2 else "unknown versions"
 
 
 if __name__ == "__main__":

@@ -149,13 +149,16 @@ class Training:
     max_norm: float = field(default=1.0, metadata={"ge": 0})
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
     mixed_precision_param: str = field(default="bfloat16", metadata=one_of(*DTYPES))
-    """Parameter dtype for compute under FSDP on GPU: "bfloat16", "float16" or "float32"."""
+    """Compute dtype on GPUs: "bfloat16", "float16" or "float32". Weights, gradients and the
+    optimizer state stay fp32; replicated ranks compute under torch.autocast to this dtype, FSDP
+    gathers the weights in it."""
     mixed_precision_reduce: str = field(default="float32", metadata=one_of(*DTYPES))
-    """Gradient reduce dtype under FSDP."""
+    """The dtype in which gradients are summed over data-parallel ranks on GPUs (the replicas'
+    all-reduce, FSDP's reduce-scatter); CPUs (gloo) always sum in fp32."""
     compile: bool = False
     """torch.compile each block."""
     cuda_graphs: bool = True
-    """With training.compile on one CUDA data-parallel rank (no FSDP) and fixed-length batches:
+    """With training.compile on CUDA, a model that FSDP does not shard and fixed-length batches:
     replay each compiled block as a CUDA graph (torch.compile's "reduce-overhead" mode), so that
     the host launches one graph per block instead of every kernel. Off under FSDP and varlen,
     whose blocks change their inputs' addresses or shapes from call to call."""
@@ -261,15 +264,36 @@ class Metrics:
 @dataclass
 class Parallel:
     data_parallel_shard_degree: int = field(default=-1, metadata={"ge": -1, "ne": 0})
-    """FSDP shard degree; -1 uses every rank not used by replication."""
+    """How data-parallel ranks split the model. -1: flame chooses: every rank holds a replica when
+    the model's fp32 weights, gradients, AdamW state and bf16 compute copies (18 bytes per
+    parameter) take at most 40% of one GPU's memory (always on CPUs), else FSDP shards over every
+    rank; the log says which and why (with data_parallel_replicate_degree > 1, -1 instead fills
+    the ranks that replication leaves with shards). 1: replicas on every rank (the one-GPU step,
+    CUDA graphs included, and the gradients all-reduced in buckets during the backward). N > 1:
+    FSDP over N ranks (HSDP with data_parallel_replicate_degree replicas of them), for models that
+    do not fit."""
     data_parallel_replicate_degree: int = field(default=1, metadata={"ge": 1})
-    """Replicas for HSDP / DDP-style replication."""
+    """Replicas of the FSDP shard group (HSDP), across nodes; equal to the number of ranks, or
+    with data_parallel_shard_degree = 1, the model is replicated without FSDP."""
     init_timeout_minutes: float = field(default=20.0, metadata={"gt": 0})
     """Collective timeout from the process-group start to the end of the first step (setup, data,
     checkpoint load, compile)."""
     collective_timeout_minutes: float = field(default=5.0, metadata={"gt": 0})
     """Collective timeout after the first step: when a rank dies or hangs, the others stop after
     this long with an error naming the step, instead of waiting forever."""
+
+
+@dataclass
+class Profiling:
+    enable: bool = False
+    """Trace `steps` optimizer steps with torch.profiler (host and GPU activity) into
+    `<job.dump_folder>/<folder>/rank<R>.json`, a Chrome trace (chrome://tracing, Perfetto)."""
+    start_step: int = field(default=10, metadata={"ge": 1})
+    """The first traced step: later than the compile and warm-up steps."""
+    steps: int = field(default=2, metadata={"ge": 1})
+    """Optimizer steps to trace."""
+    folder: str = field(default="profile", metadata={"nonempty": True})
+    """Folder of the traces, inside job.dump_folder."""
 
 
 @dataclass
@@ -283,3 +307,4 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     parallel: Parallel = field(default_factory=Parallel)
+    profiling: Profiling = field(default_factory=Profiling)

@@ -1,4 +1,5 @@
-"""Step metrics: a console progress line, `metrics.jsonl`, and optionally wandb / TensorBoard.
+"""Step metrics: the console log, a progress line per logged step, `metrics.jsonl`, and optionally
+wandb / TensorBoard.
 
 Only rank 0 writes. wandb and tensorboard are imported lazily, when enabled.
 """
@@ -9,9 +10,36 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 logger = logging.getLogger("flame.train")
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """A StreamHandler that writes to sys.stdout as it is when a record is emitted, not as it was when
+    the handler was made (as logging's own last-resort handler does for stderr): a process that swaps
+    sys.stdout (a test's capture, a notebook) must not leave the handler on a closed stream."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def setup_logging(rank: int = 0) -> None:
+    """Console logging: rank 0 at INFO, other ranks only warnings (prefixed with their rank)."""
+    flame_logger = logging.getLogger("flame")
+    if not flame_logger.handlers:
+        handler = _StdoutHandler()
+        prefix = f"[rank{rank}] " if rank else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
+        flame_logger.addHandler(handler)
+        flame_logger.propagate = False
+    flame_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def format_duration(seconds: float) -> str:

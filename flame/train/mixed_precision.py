@@ -1,7 +1,8 @@
-"""Mixed precision on one data-parallel rank: compute copies of the fp32 matrices, fp32 gradients.
+"""Mixed precision where FSDP does not shard the model (one rank, or replicas): compute copies of
+the fp32 matrices, fp32 gradients.
 
-With two or more data-parallel ranks FSDP's MixedPrecisionPolicy gathers every parameter in the
-compute dtype. One rank runs without FSDP (`flame.train.parallel`), under `torch.autocast`, which
+Under FSDP, its MixedPrecisionPolicy gathers every parameter in the compute dtype. Without FSDP
+(`flame.train.parallel`) the model computes under `torch.autocast`, which
 casts each fp32 weight to the compute dtype inside every micro-batch's forward, and each weight
 gradient back to fp32 in its backward. `ComputeWeights` casts the matrices once per step instead:
 
@@ -11,8 +12,8 @@ gradient back to fp32 in its backward. `ComputeWeights` casts the matrices once 
   entry first refreshes them from the fp32 parameters (one foreach copy), whose values change
   only outside model calls (the optimizer, a checkpoint load);
 - the backward differentiates with respect to the copies (`grad_targets`): a weight gradient
-  leaves its matmul in the compute dtype and becomes fp32 once, as `add_gradients` adds it into
-  the step's fp32 gradient buffer.
+  leaves its matmul in the compute dtype and becomes fp32 once, as it is added into the step's
+  fp32 gradient buffer (`flame.train.accumulation`).
 
 The copies keep fixed addresses, as CUDA graphs need of parameters. Vectors (mixing coefficients,
 norm weights, biases) stay fp32 parameters that autocast casts where they meet an activation:
@@ -21,7 +22,6 @@ their gradients are sums over every token of a micro-batch, and stay fp32.
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 
 import torch
@@ -79,41 +79,3 @@ class ComputeWeights:
     def _place(self, copies: bool) -> None:
         for module, name, master, copy in self.slots:
             module._parameters[name] = copy if copies else master
-
-
-def add_gradients(buffers: list[torch.Tensor], grads: list[torch.Tensor | None], first: bool) -> None:
-    """Add one micro-batch's gradients `grads` into the fp32 `buffers` (`first`: copy instead, so
-    nothing of an earlier step survives). A None gradient (a parameter the loss does not reach)
-    zeroes its buffer on the first micro-batch. Gradients in the compute dtype become fp32 inside
-    the copy or add: one foreach call per source dtype, as ATen's multi-tensor kernels need one
-    dtype per list (and a compiled add on CUDA, `_compiled_foreach_add`)."""
-    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    unused = []
-    for buffer, grad in zip(buffers, grads, strict=True):
-        if grad is None:
-            unused.append(buffer)
-        else:
-            targets, sources = by_dtype.setdefault(grad.dtype, ([], []))
-            targets.append(buffer)
-            sources.append(grad)
-    if first and unused:
-        torch._foreach_zero_(unused)
-    for dtype, (targets, sources) in by_dtype.items():
-        if first:
-            torch._foreach_copy_(targets, sources)
-        elif dtype != targets[0].dtype and targets[0].is_cuda:
-            _compiled_foreach_add()(targets, sources)
-        else:
-            torch._foreach_add_(targets, sources)
-
-
-@functools.cache
-def _compiled_foreach_add():
-    """`torch._foreach_add_` compiled: ATen's multi-tensor add needs one dtype, and for an fp32 +=
-    bf16 list falls back to one add per tensor, each a scalar-load kernel (rwkv7_340M's 367M
-    weights: 3.3 ms, 1.1 TB/s, on an H100); Inductor's kernels convert vectorized loads, several
-    tensors per launch."""
-    def foreach_add(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        torch._foreach_add_(targets, sources)
-
-    return torch.compile(foreach_add, fullgraph=True, dynamic=False)

@@ -1,22 +1,24 @@
-"""Process setup and model parallelisation: torch.distributed, the device mesh, FSDP2, AC, compile.
+"""Process setup and model parallelisation: torch.distributed, the device mesh, the data-parallel
+plan, FSDP2, AC, compile.
 
 - Under torchrun (WORLD_SIZE set) every rank joins one process group: NCCL for CUDA tensors plus
   gloo for CPU tensors on GPUs, gloo alone on CPUs. A single process without torchrun runs without
   torch.distributed.
-- Mixed precision: with two or more data-parallel ranks FSDP2 keeps fp32 master weights and
-  gathers bf16 compute copies (`MixedPrecisionPolicy`). One data-parallel rank has nothing to shard,
-  and FSDP's per-parameter host work (gathers, reductions, DTensor dispatch in the optimizer) would
-  cost more host time per step than the GPU needs for the whole step, so the model there stays a
-  plain module with fp32 weights and gradients and computes under `torch.autocast` to the same
-  param dtype (`autocast`): bf16 matmuls and attention, fp32 accumulation of the gradients; its
-  matrices run on compute copies cast once per step (`flame.train.mixed_precision`).
-- torchtitan's ParallelDims builds the mesh: data_parallel_shard_degree is FSDP, adding
-  data_parallel_replicate_degree gives HSDP, replicate alone is DDP-style replication.
+- Data parallelism comes in two kinds (`plan_data_parallel`). Replicated: every rank holds the
+  whole model and runs the one-GPU step (fp32 weights under `torch.autocast`, compute copies of the
+  matrices, `flame.train.mixed_precision`; blocks replayed as CUDA graphs), and the gradients are
+  summed over the ranks in a few large all-reduces that start during the backward
+  (`flame.train.accumulation`). Sharded (FSDP2, HSDP across replicas): the parameters, gradients
+  and optimizer state are split over the ranks, for models whose training state does not fit on
+  one device; FSDP keeps fp32 master weights and gathers bf16 compute copies
+  (`MixedPrecisionPolicy`). One rank is the replicated kind with nothing to reduce.
+- torchtitan's ParallelDims builds the mesh: data_parallel_shard_degree > 1 is FSDP, adding
+  data_parallel_replicate_degree gives HSDP; a shard degree of 1 replicates.
 - `parallelize` applies, in this order, activation checkpointing (torchtitan's FullAC /
-  SelectiveAC), per-block torch.compile, and, on two or more data-parallel ranks, `fully_shard` per
-  block and at the root with the MixedPrecisionPolicy of the config and FSDP's own gradient
-  averaging turned off: the loss is already normalised by the global valid-token count, so
-  gradients are summed, not averaged.
+  SelectiveAC, or flame's "elementwise" policy), per-block torch.compile, and under FSDP
+  `fully_shard` per block and at the root with the MixedPrecisionPolicy of the config and FSDP's
+  own gradient averaging turned off: the loss is already normalised by the global valid-token
+  count, so gradients are summed, not averaged.
 - Collectives time out: parallel.init_timeout_minutes until the first step is done, then
   parallel.collective_timeout_minutes (`ParallelState.set_collective_timeout`), so that a rank
   that died or hangs stops the others; `collective_failure` names the step in their error (gloo
@@ -52,6 +54,8 @@ class ParallelState:
     dp_rank: int = 0
     dp_world_size: int = 1
     parallel_dims: object | None = None  # torchtitan ParallelDims when distributed
+    data_parallel: str = "one rank"
+    """How the data-parallel ranks split the model, and why (`plan_data_parallel`), for the log."""
 
     @property
     def distributed(self) -> bool:
@@ -59,8 +63,16 @@ class ParallelState:
 
     @property
     def fsdp(self) -> bool:
-        """Whether FSDP shards the model: two or more data-parallel ranks."""
-        return self.distributed and self.dp_world_size > 1
+        """Whether FSDP shards the model: a shard degree of two or more."""
+        return self.distributed and self.parallel_dims.dp_shard > 1
+
+    @property
+    def replica_group(self):
+        """The process group over which replicated gradients are summed (None: the model is
+        sharded, or there is one data-parallel rank)."""
+        if self.fsdp or self.dp_world_size <= 1:
+            return None
+        return self.parallel_dims.get_optional_mesh("dp_replicate").get_group()
 
     @property
     def shard_group(self):
@@ -111,8 +123,53 @@ class ParallelState:
             dist.barrier()
 
 
-def setup_parallel(cfg, device: torch.device) -> ParallelState:
-    """Join the process group (when there is one to join) and build the device mesh."""
+TRAINING_BYTES_PER_PARAMETER = 18
+"""What one parameter costs a replicated rank before any activation: its fp32 weight and gradient,
+AdamW's two fp32 moments and a bf16 compute copy."""
+REPLICATE_MEMORY_FRACTION = 0.4
+"""`plan_data_parallel` replicates when the training state takes at most this share of a device's
+memory: the rest holds the activations, which a config sizes for one GPU."""
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    replicate: int
+    shard: int
+    reason: str
+
+
+def plan_data_parallel(par, world_size: int, device: torch.device, num_params: int) -> DataParallelPlan:
+    """How `world_size` data-parallel ranks split the model (`par`: the [parallel] config).
+
+    data_parallel_shard_degree > 1 shards with FSDP over that many ranks (HSDP with
+    data_parallel_replicate_degree replicas of them); 1 replicates on every rank; -1 (the default)
+    with a replicate degree > 1 fills the rest with shards (HSDP, or replicas when nothing is left
+    to shard); -1 alone replicates when the training state of `num_params` parameters fits on one
+    device (TRAINING_BYTES_PER_PARAMETER, REPLICATE_MEMORY_FRACTION of a GPU's memory; always on
+    CPUs), and otherwise shards over every rank."""
+    shard, replicate = par.data_parallel_shard_degree, par.data_parallel_replicate_degree
+    if shard > 1:
+        return DataParallelPlan(replicate, shard, "parallel.data_parallel_shard_degree > 1")
+    if shard == 1:
+        return DataParallelPlan(world_size, 1, "parallel.data_parallel_shard_degree = 1")
+    if replicate > 1:
+        return DataParallelPlan(replicate, -1, "parallel.data_parallel_replicate_degree > 1, the "
+                                "shard degree -1 fills the rest")
+    need = TRAINING_BYTES_PER_PARAMETER * num_params
+    state = f"the training state of {num_params / 1e6:.0f}M parameters ({need / 2**30:.1f} GiB)"
+    if device.type != "cuda":
+        return DataParallelPlan(world_size, 1, f"{state} on CPUs")
+    have = torch.cuda.get_device_properties(device).total_memory
+    if need <= REPLICATE_MEMORY_FRACTION * have:
+        return DataParallelPlan(world_size, 1, f"{state} fits in {REPLICATE_MEMORY_FRACTION:.0%} of "
+                                f"one GPU's {have / 2**30:.0f} GiB")
+    return DataParallelPlan(1, -1, f"{state} does not fit in {REPLICATE_MEMORY_FRACTION:.0%} "
+                            f"of one GPU's {have / 2**30:.0f} GiB")
+
+
+def setup_parallel(cfg, device: torch.device, num_params: int) -> ParallelState:
+    """Join the process group (when there is one to join), choose how the data-parallel ranks split
+    a model of `num_params` parameters (`plan_data_parallel`) and build the device mesh."""
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if not launched:
         return ParallelState(device=device)
@@ -138,10 +195,10 @@ def setup_parallel(cfg, device: torch.device) -> ParallelState:
 
     titan_parallel_dims.device_type = device.type  # torchtitan assumes CUDA otherwise
     par = cfg.parallel
+    plan = plan_data_parallel(par, world_size, device, num_params)
     try:
         parallel_dims = titan_parallel_dims.ParallelDims(
-            dp_replicate=par.data_parallel_replicate_degree,
-            dp_shard=par.data_parallel_shard_degree,
+            dp_replicate=plan.replicate, dp_shard=plan.shard,
             cp=1, tp=1, pp=1, ep=1, world_size=world_size, spmd_backend="partial_dtensor",
         )
     except AssertionError as err:
@@ -154,11 +211,28 @@ def setup_parallel(cfg, device: torch.device) -> ParallelState:
     batch_mesh = parallel_dims.get_optional_mesh("batch")
     dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
     dp_world_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    if parallel_dims.dp_shard > 1:
+        kind = (f"FSDP over {parallel_dims.dp_shard} ranks" if parallel_dims.dp_replicate == 1 else
+                f"HSDP, {parallel_dims.dp_replicate} replicas of FSDP over {parallel_dims.dp_shard} ranks")
+    elif dp_world_size > 1:
+        kind = f"replicated over {dp_world_size} ranks, the gradients all-reduced in buckets"
+    else:
+        kind = "one rank"
     state = ParallelState(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                          dp_rank=dp_rank, dp_world_size=dp_world_size,
-                          parallel_dims=parallel_dims)
+                          dp_rank=dp_rank, dp_world_size=dp_world_size, parallel_dims=parallel_dims,
+                          data_parallel=f"{kind} ({plan.reason})")
     state.set_collective_timeout(par.init_timeout_minutes)  # the mesh groups got torch's default
     return state
+
+
+def broadcast_replicas(model: nn.Module, state: ParallelState) -> None:
+    """Make every replica's parameters and buffers equal to the first replica's."""
+    group = state.replica_group
+    if group is None:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, group=group, group_src=0)
 
 
 class CollectiveFailure(RuntimeError):
@@ -279,7 +353,7 @@ def cuda_graphs_enabled(cfg, state: ParallelState) -> bool:
     batches are varlen (their offsets change the chunk counts, and the ops read them on the host)."""
     if not (cfg.training.compile and cfg.training.cuda_graphs and state.device.type == "cuda"):
         return False
-    for reason, applies in (("FSDP (two or more data-parallel ranks)", state.fsdp),
+    for reason, applies in (("FSDP (a shard degree of two or more)", state.fsdp),
                             ("training.varlen", cfg.training.varlen)):
         if applies:
             logger.info("compile: training.cuda_graphs is off under %s", reason)
@@ -343,6 +417,12 @@ def compute_weights_dtype(cfg, state: ParallelState) -> torch.dtype | None:
     if state.fsdp or state.device.type != "cuda" or dtype == torch.float32:
         return None
     return dtype
+
+
+def reduce_dtype(cfg, state: ParallelState) -> torch.dtype:
+    """The dtype of the replicas' gradient all-reduce: training.mixed_precision_reduce on CUDA,
+    fp32 on CPUs (gloo), as FSDP's reduce-scatter."""
+    return DTYPES[cfg.training.mixed_precision_reduce] if state.device.type == "cuda" else torch.float32
 
 
 def autocast(cfg, state: ParallelState):

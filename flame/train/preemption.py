@@ -3,12 +3,11 @@
 A run that gets one of `training.stop_signals` (SIGTERM, SIGINT, SIGUSR1 by default) finishes the
 optimizer step in flight, saves a checkpoint at that step (the usual COMPLETE-marker protocol),
 flushes its metrics and exits with PREEMPTED_EXIT_CODE; a restart resumes from that checkpoint.
-The signal handlers only record the signal. Once per step, while the step runs, the loop asks
-`StepBoundary.decide`, whose one host all-reduce (MAX, on the CPU/gloo group: no device sync) of
+The signal handlers only record the signal. Once per step, while the step runs, the trainer asks
+`StepBoundary.agree`, whose one host all-reduce (MAX, on the CPU/gloo group: no device sync) of
 {the signal received, a timed save due} gives every rank the same answer for the same step: one
-rank's signal is enough. The loop then reads that step's numbers before queuing the next (the
-checkpoint must hold exactly that step's weights), and after it, `decision_for(step)` says
-whether to save and stop there.
+rank's signal is enough. The trainer then reads that step's numbers before queuing the next (the
+checkpoint must hold exactly that step's weights), saves, and raises `Preempted`.
 
 A second signal while stopping aborts at once with ABORTED_EXIT_CODE: the save in flight is left
 without its COMPLETE marker, so the previous complete checkpoint stays the one to resume from.
@@ -26,7 +25,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flame.train.fault_injection import fault_point
 from flame.train.parallel import StallWarning
 
 logger = logging.getLogger("flame.train")
@@ -110,10 +108,10 @@ class BoundaryDecision:
 
 
 class StepBoundary:
-    """The decision about every optimizer step's end, the same on every rank: `decide(step)`
-    while the step runs, `decision_for(step)` once it is done and logged.
+    """The agreement about every optimizer step's end, the same on every rank: `agree(step)` while
+    the step runs, `step_done(step)` once it is done.
 
-    The first decision also shortens the collectives' timeout from
+    The first agreement also shortens the collectives' timeout from
     parallel.init_timeout_minutes to parallel.collective_timeout_minutes: every rank has then
     queued its first step (setup, checkpoint load and compile are behind it). On several GPUs
     a `StallWarning` then names a step that runs into that timeout. `close()` when done."""
@@ -126,20 +124,10 @@ class StepBoundary:
         self.collective_timeout_minutes = collective_timeout_minutes
         self.first = True
         self.stall_warning: StallWarning | None = None
-        self.decisions: dict[int, BoundaryDecision] = {}
 
-    def decision_for(self, step: int) -> BoundaryDecision:
-        """The decision taken for `step`, called once it is done and logged, before its save;
-        taken now for a step that ran outside the loop (`Trainer.train_step`)."""
-        fault_point("boundary", step)
+    def step_done(self, step: int) -> None:
         if self.stall_warning is not None:
             self.stall_warning.step_done(step)
-        decision = self.decisions.pop(step, None)
-        return decision if decision is not None else self.agree(step)
-
-    def decide(self, step: int) -> BoundaryDecision:
-        self.decisions[step] = decision = self.agree(step)
-        return decision
 
     def agree(self, step: int) -> BoundaryDecision:
         received = self.stop_signals.received

@@ -1,4 +1,5 @@
-"""Two CPU processes (gloo, FSDP2) against one: known failure 4 across ranks, and resume.
+"""Two CPU processes (gloo; replicated, and sharded by FSDP2) against one: known failure 4 across
+ranks, and resume.
 
 Each test spawns 2 ranks with torch.multiprocessing; the ranks write what they saw to files that
 the test (the parent process) compares with a single-process run.
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from flame.train import accumulation
 from flame.train.checkpoint import CheckpointError
 from flame.train.trainer import Trainer
 from tests.train.helpers import params, random_batches, split_rows, tiny_config
@@ -81,12 +83,18 @@ def ga_config(dump, ga):
 
 
 def two_rank_ga_run(rank: int, dump: str) -> None:
-    # FSDP (2 shards), then DDP-style replication (2 replicas of 1 shard), same data
-    for name, replicate in (("fsdp", 1), ("replicate", 2)):
+    # FSDP (2 shards), then replicas (the default on CPUs: the one-rank step and an all-reduce of
+    # the gradients in buckets, here two), same data
+    accumulation.BUCKET_ELEMENTS = 8_000  # several buckets: reductions start during the backward
+    for name, shard in (("fsdp", 2), ("replicate", -1)):
         cfg = ga_config(os.path.join(dump, name), ga=2)
-        cfg.parallel.data_parallel_replicate_degree = replicate
+        cfg.parallel.data_parallel_shard_degree = shard
         trainer = Trainer(cfg, dataloader=())
         assert trainer.parallel.dp_world_size == 2
+        assert trainer.parallel.fsdp == (name == "fsdp")
+        if name == "replicate":
+            assert trainer.parallel.replica_group is not None
+            assert len(trainer.pipeline.accumulator.buckets) >= 4
         results = []
         for input_ids, labels in global_batches():
             rows = slice(4 * rank, 4 * rank + 4)  # rank r: rows 4r..4r+3, as 2 micro-batches

@@ -74,7 +74,7 @@ def test_vocab_mismatch_and_missing_tokenizer_exit_with_a_message(tmp_path, caps
 def test_console_logging_follows_a_replaced_stdout(capsys):
     """The log handler writes to sys.stdout as it is at each record: a stream that was current when
     logging was set up and has since been closed (a test's capture, a notebook cell) is not used."""
-    from flame.train.trainer import setup_logging
+    from flame.train.metrics import setup_logging
 
     flame_logger = logging.getLogger("flame")
     saved = flame_logger.handlers[:]

@@ -19,7 +19,7 @@ def plain_forward_backward(trainer, micro_batches, use_l2wrap):
     valid_tokens = count_valid_tokens(micro_batches)
     total = torch.zeros(())
     for batch in micro_batches:
-        logits, labels = trainer.forward(batch)
+        logits, labels = trainer.pipeline.forward(batch)
         loss = micro_batch_loss(logits, labels, valid_tokens, l2wrap if use_l2wrap else None)
         loss.backward()
         total += loss.detach()
@@ -37,7 +37,8 @@ def test_fused_step_equals_the_plain_logits_step(tmp_path, family, use_l2wrap):
     labels[3, :2] = -100
     micro_batches = split_rows(input_ids, labels, 2)
 
-    loss, valid_tokens = trainer.forward_backward(micro_batches)
+    gradients = trainer.pipeline.gradients(micro_batches)
+    loss, valid_tokens = gradients.loss_sum, gradients.valid_tokens
     fused_grads = grads(trainer.model)
     trainer.optimizer.zero_grad(set_to_none=True)
     plain_loss = plain_forward_backward(trainer, micro_batches, use_l2wrap)

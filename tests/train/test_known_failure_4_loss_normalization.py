@@ -67,8 +67,9 @@ def run_and_compare(tmp_path, uneven: bool):
 
     # gradients of the first step, before any update
     input_ids, labels = data[0]
-    loss_whole, n_whole = whole.forward_backward(split_rows(input_ids, labels, 8))
-    loss_split, n_split = split.forward_backward(split_rows(input_ids, labels, 2))
+    g_whole = whole.pipeline.gradients(split_rows(input_ids, labels, 8))
+    g_split = split.pipeline.gradients(split_rows(input_ids, labels, 2))
+    loss_whole, n_whole, loss_split, n_split = g_whole.loss_sum, g_whole.valid_tokens, g_split.loss_sum, g_split.valid_tokens
     assert n_whole == n_split == int((labels != -100).sum())
     torch.testing.assert_close(loss_split, loss_whole, rtol=1e-6, atol=0)
     assert_tensors_close(grads(split.model), grads(whole.model), rtol=1e-5, atol=1e-5, atol_of_max=True)
@@ -118,7 +119,7 @@ def plain_backward_grads(trainer, micro_batches):
     total: dict[str, torch.Tensor] = {}
     for batch in micro_batches:
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.loss(batch, scale).backward()
+        trainer.pipeline.loss(batch, scale).backward()
         for name, grad in grads(trainer.model).items():
             total[name] = total[name] + grad if name in total else grad
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -126,7 +127,7 @@ def plain_backward_grads(trainer, micro_batches):
 
 
 def test_accumulated_gradients_are_the_sum_of_the_micro_batch_gradients(tmp_path):
-    """GA 3: after `forward_backward` every gradient is the sum of the three micro-batches' plain
+    """GA 3: after `pipeline.gradients` every gradient is the sum of the three micro-batches' plain
     backward gradients, in two consecutive steps with an update between them (nothing of the first
     step stays in the second); the second step's last micro-batch has no valid label."""
     trainer = make_trainer(tmp_path, "ga3", batch_size=2, ga=3)
@@ -138,13 +139,11 @@ def test_accumulated_gradients_are_the_sum_of_the_micro_batch_gradients(tmp_path
             labels[4:, :] = -100
         micro_batches = split_rows(input_ids, labels, 2)
         want = plain_backward_grads(trainer, micro_batches)
-        trainer.forward_backward(micro_batches)
+        trainer.pipeline.gradients(micro_batches)
         got = grads(trainer.model)
         assert got.keys() == want.keys() == trainable
         assert_tensors_close(got, want, rtol=1e-6, atol=1e-6, atol_of_max=True)
-        trainer.clip_grad_norm(trainer.cfg.training.max_norm)
-        trainer.optimizer.step()
-        trainer.zero_grad()
+        trainer.train_step(micro_batches)  # the update between the two steps
         assert all(p.grad is None for p in trainer.model.parameters())
 
 
@@ -177,7 +176,7 @@ def test_a_parameter_the_loss_does_not_reach_gets_a_zero_gradient(tmp_path):
             input_ids[2 * index, 0] += 1
         micro_batches = split_rows(input_ids, labels, 2)
         want = plain_backward_grads(trainer, micro_batches)
-        trainer.forward_backward(micro_batches)
+        trainer.pipeline.gradients(micro_batches)
         got = grads(trainer.model)
         assert torch.equal(got["never"], torch.zeros(3))
         if odd_micro_batches:
@@ -187,4 +186,4 @@ def test_a_parameter_the_loss_does_not_reach_gets_a_zero_gradient(tmp_path):
             want["sometimes"] = torch.zeros(cfg.model.hidden_size)
         want["never"] = torch.zeros(3)
         assert_tensors_close(got, want, rtol=1e-6, atol=1e-6, atol_of_max=True)
-        trainer.zero_grad()
+        trainer.pipeline.zero_grad()

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import flame.train.trainer as trainer_module
-from flame.train.mixed_precision import ComputeWeights, add_gradients
+from flame.train.accumulation import add_gradients
+from flame.train.mixed_precision import ComputeWeights
 from flame.train.trainer import Trainer
 from tests.train.helpers import random_batches, split_rows, tiny_config
 
@@ -111,19 +112,19 @@ def test_trainer_runs_on_compute_copies_and_sums_their_gradients_in_fp32(tmp_pat
             total += grad.float()
 
     masters = [p for p in trainer.model.parameters()]
-    trainer.forward_backward(micro_batches)
+    trainer.pipeline.gradients(micro_batches)
     assert [p for p in trainer.model.parameters()] == masters and all(p.dtype == torch.float32 for p in masters)
     for (name, param), want in zip(trainer.model.named_parameters(), expected):
         assert param.grad.dtype == torch.float32
         torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
-    trainer.zero_grad()
+    trainer.pipeline.zero_grad()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train_step(micro_batches)
     proj = trainer.model.layers[0].attn.receptance
     master = proj.weight
     assert not torch.equal(master, before["layers.0.attn.receptance.weight"])  # the fp32 weight moved
-    with trainer.compute_weights.active():
+    with trainer.pipeline.compute_weights.active():
         assert proj.weight is not master
         torch.testing.assert_close(proj.weight, master.detach().to(torch.bfloat16), rtol=0, atol=0)
 

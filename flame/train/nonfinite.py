@@ -1,0 +1,141 @@
+"""Steps whose loss or gradient norm is not finite: skipped on every rank, located, and after too
+many in a row either the run stops or the last good checkpoint is reloaded.
+
+The step pipeline already skipped the update (`flame.train.step_pipeline`). `NonFiniteGuard.check`
+counts the skip, names the first parameter whose gradient is not finite and, when the loss itself
+is not finite, the module where the forward turns non-finite (one extra forward, on such steps
+only), and logs the step's data position. After `training.max_consecutive_nan_steps` skips in a
+row it raises `NonFiniteTrainingError`, or with `training.nan_recovery` asks the trainer to reload
+the last complete checkpoint while keeping the data position, so that the bad window is skipped:
+the outcome is then RELOADED, and the trainer's state is that checkpoint's. Which of the two, and
+the stop's message, are the trainer's (`Trainer.stop_or_reload`): it owns the checkpoints.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from flame.train.step_pipeline import LaunchedStep, StepResult, op_value_checks_off
+
+logger = logging.getLogger("flame.train")
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    SKIPPED = "skipped"
+    RELOADED = "reloaded"
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+def first_nonfinite_module(model: torch.nn.Module, run_forward) -> str | None:
+    """Where a non-finite forward starts: the first module, in execution order, whose output holds
+    a NaN or Inf while all of its floating-point inputs are finite (the NaN is born inside it;
+    an op called by the module, such as an attention kernel, is reported as that module).
+    Falls back to the first module with a non-finite output. `run_forward()` runs the model once;
+    it is called under no_grad with a hook on every submodule."""
+    origin: list[str] = []
+    first_bad: list[str] = []
+
+    def finite(value) -> bool:
+        if torch.is_tensor(value) and value.is_floating_point():
+            return bool(torch.isfinite(value).all())
+        if isinstance(value, (tuple, list)):
+            return all(finite(item) for item in value)
+        return True
+
+    def check(name):
+        def hook(module, args, output):
+            if origin or finite(output):
+                return
+            label = f"{name} ({type(module).__name__})"
+            first_bad.append(label)
+            if finite(args):
+                origin.append(label)
+        return hook
+
+    handles = [module.register_forward_hook(check(name)) for name, module in model.named_modules() if name]
+    try:
+        with torch.no_grad():
+            run_forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (origin or first_bad or [None])[0]
+
+
+class NonFiniteGuard:
+    """Counts, locates and reports non-finite steps (`training`: the config's [training] section;
+    `forward(batch)`: the model's plain forward of a micro-batch; `stop_or_reload(message)`: at the
+    end of a streak, raise NonFiniteTrainingError or reload the last complete checkpoint, keeping
+    the data position)."""
+
+    def __init__(self, training, model, parallel, forward: Callable, stop_or_reload: Callable[[str], None]):
+        self.max_in_a_row = training.max_consecutive_nan_steps
+        self.gradient_accumulation_steps = training.gradient_accumulation_steps
+        self.model = model
+        self.parallel = parallel
+        self.forward = forward
+        self.stop_or_reload = stop_or_reload
+        self.reloads = 0
+        """Checkpoint reloads after non-finite streaks."""
+
+    def check(self, result: StepResult, step: LaunchedStep, state, batches_consumed: int) -> Outcome:
+        """Count step `state.step` (already advanced), whose `result` is read: OK, or SKIPPED
+        (logged, `result` names the culprits), or RELOADED."""
+        if not result.skipped:
+            state.consecutive_nan_skips = 0
+            return Outcome.OK
+        state.nan_skips += 1
+        state.consecutive_nan_skips += 1
+        result.first_nonfinite_param = step.norms.first_nonfinite()
+        if not math.isfinite(result.loss):
+            result.first_nonfinite_module = self.locate(step.micro_batches)
+        first = batches_consumed - self.gradient_accumulation_steps
+        logger.warning(
+            "step %d: non-finite loss %s / grad norm %s, update skipped (%d in a row, %d in "
+            "total); data: micro-batches [%d, %d) of dp rank %d; first non-finite gradient on "
+            "rank %d: %s%s",
+            state.step, result.loss, result.grad_norm, state.consecutive_nan_skips,
+            state.nan_skips, first, batches_consumed, self.parallel.dp_rank, self.parallel.rank,
+            result.first_nonfinite_param or "none",
+            f"; the forward turns non-finite in {result.first_nonfinite_module}"
+            if result.first_nonfinite_module else "",
+        )
+        if state.consecutive_nan_skips < self.max_in_a_row:
+            return Outcome.SKIPPED
+        message = (
+            f"{state.consecutive_nan_skips} consecutive steps had a non-finite loss or "
+            f"gradient (training.max_consecutive_nan_steps = {self.max_in_a_row}), at step {state.step}"
+        )
+        self.stop_or_reload(message)
+        self.reloads += 1
+        result.reloaded = True
+        return Outcome.RELOADED
+
+    def locate(self, micro_batches: list[dict[str, torch.Tensor]]) -> str | None:
+        """After a non-finite loss (a global decision, so every rank is here): run the forward of
+        this rank's micro-batches again, with hooks, until one turns non-finite; the answer names
+        the first rank that found one."""
+        found = None
+        for batch in micro_batches:
+            with op_value_checks_off():
+                found = first_nonfinite_module(self.model, lambda: self.forward(batch))
+            if found is not None:
+                break
+        if self.parallel.fsdp:
+            # the search may run before a queued update: the next forward gathers the new weights
+            self.model.reshard()
+        if not self.parallel.distributed or self.parallel.world_size == 1:
+            return found
+        gathered: list[str | None] = [None] * self.parallel.world_size
+        dist.all_gather_object(gathered, found)
+        return next((f"{name} on rank {rank}" for rank, name in enumerate(gathered) if name), None)

@@ -275,6 +275,11 @@ class Parallel:
     data_parallel_replicate_degree: int = field(default=1, metadata={"ge": 1})
     """Replicas of the FSDP shard group (HSDP), across nodes; equal to the number of ranks, or
     with data_parallel_shard_degree = 1, the model is replicated without FSDP."""
+    reshard_after_forward: str = field(default="default", metadata=one_of("default", "always", "never"))
+    """Under FSDP, whether a block frees its gathered weights after its forward and gathers them
+    again for the backward: "default" (every block but the last, whose weights the backward needs
+    at once), "always", or "never" (one gather per block and micro-batch, the gathered bf16
+    weights of every block held from the forward to the backward: 2 bytes per parameter)."""
     init_timeout_minutes: float = field(default=20.0, metadata={"gt": 0})
     """Collective timeout from the process-group start to the end of the first step (setup, data,
     checkpoint load, compile)."""

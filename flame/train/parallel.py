@@ -370,8 +370,10 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> None:
                 ", replayed as CUDA graphs" if cuda_graphs else "")
 
 
-def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_dtype: str) -> None:
-    """fully_shard each block and the root over the data-parallel mesh; gradients are summed."""
+def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_dtype: str,
+               reshard_after_forward: str = "default") -> None:
+    """fully_shard each block and the root over the data-parallel mesh; gradients are summed.
+    `reshard_after_forward`: parallel.reshard_after_forward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dims = state.parallel_dims
@@ -383,8 +385,9 @@ def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_
         mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     blocks = list(model.layers)
     for index, block in enumerate(blocks):
-        # the last block's parameters are needed again at once by the root: keep them gathered
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=index < len(blocks) - 1)
+        # the last block's parameters are needed again at once by the backward: keep them gathered
+        reshard = {"always": True, "never": False}.get(reshard_after_forward, index < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # the step objective is already divided by the global token count: sum, do not average
     # (plain SUM collectives: no PREMUL_SUM, which gloo lacks, and no post-division)
@@ -406,7 +409,7 @@ def parallelize(model: nn.Module, cfg, state: ParallelState, cuda_graphs: bool =
         apply_compile(model, cuda_graphs)
     if state.fsdp:
         apply_fsdp(model, state, cfg.training.mixed_precision_param,
-                   cfg.training.mixed_precision_reduce)
+                   cfg.training.mixed_precision_reduce, cfg.parallel.reshard_after_forward)
     return model
 
 

@@ -96,7 +96,8 @@ def launch(args, keys: list[str], log: Path, gpus: int, *, nodes: int = 1,
     with open(log, "ab") as out:
         for node in range(nodes):
             env = dict(os.environ, **NCCL_ENV, NGPU=str(per_node), NNODE=str(nodes), NODE_RANK=str(node),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOG_DIR=str(log.parent / f"{log.stem}-logs"),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       LOG_DIR=str(log.parent / f"{log.stem}-logs-node{node}"),
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
             if args.device == "cpu":
@@ -162,10 +163,13 @@ def throughput(args, dump: Path) -> dict:
     }
 
 
-def trace_breakdown(trace: Path, steps: int) -> dict:
-    """Per-step GPU time of a Chrome trace (torch.profiler's): busy (any kernel), compute
-    (non-collective kernels), communication (NCCL kernels), exposed communication (NCCL time with
-    no compute kernel beside it), and the bytes the all-reduces moved."""
+def trace_breakdown(trace: Path, step_time_s: float) -> dict:
+    """Per-step GPU time of a Chrome trace (torch.profiler's) of a run whose steps take
+    `step_time_s`: busy (any kernel), compute (non-collective kernels), communication (NCCL kernels),
+    exposed communication (NCCL time with no compute kernel beside it), and the bytes the
+    all-reduces moved. The trace's window need not hold whole steps (the loop queues a step's
+    forward before the previous step is read): each total is scaled by the step time over the
+    window, from the first kernel's start to the last kernel's end."""
     events = json.loads(trace.read_text())["traceEvents"]
     compute, comm, reduced = [], [], 0
     for e in events:
@@ -181,10 +185,15 @@ def trace_breakdown(trace: Path, steps: int) -> dict:
         if e.get("ph") == "X" and e.get("name") == "record_param_comms" and \
                 str(a.get("Collective name", "")).replace("_", "") == "allreduce":
             reduced += int(a.get("In msg nelems", 0)) * _dtype_bytes(a.get("dtype", "Float"))
-    busy_ms = union_us(compute + comm) / 1e3 / steps
-    compute_ms = union_us(compute) / 1e3 / steps
-    return {"gpu_busy_ms": busy_ms, "compute_ms": compute_ms, "comm_ms": union_us(comm) / 1e3 / steps,
-            "exposed_comm_ms": busy_ms - compute_ms, "all_reduce_bytes": reduced // steps}
+    kernels = compute + comm
+    if not kernels:
+        raise ScaleError(f"{trace} holds no GPU kernel")
+    window_us = max(stop for _, stop in kernels) - min(start for start, _ in kernels)
+    scale = step_time_s * 1e6 / window_us  # one step's share of the window's totals
+    busy_ms = union_us(kernels) * scale / 1e3
+    compute_ms = union_us(compute) * scale / 1e3
+    return {"gpu_busy_ms": busy_ms, "compute_ms": compute_ms, "comm_ms": union_us(comm) * scale / 1e3,
+            "exposed_comm_ms": busy_ms - compute_ms, "all_reduce_bytes": int(reduced * scale)}
 
 
 def _dtype_bytes(name: str) -> int:
@@ -216,7 +225,7 @@ def run_throughput(args, config: str, run: str, out: Path) -> dict:
     result["data_parallel"] = choice[0].split("data parallel:", 1)[1].strip() if choice else "one rank"
     trace = dump / "profile" / "rank0.json"
     if args.profile and trace.is_file():
-        result.update(trace_breakdown(trace, PROFILED_STEPS))
+        result.update(trace_breakdown(trace, result["step_time_s"]))
         result["host_bound_ms"] = result["step_time_s"] * 1e3 - result["gpu_busy_ms"]
     return result
 

@@ -50,12 +50,12 @@ def test_trace_breakdown_counts_exposed_communication(tmp_path):
                "args": {"Collective name": "allreduce", "In msg nelems": 1000, "dtype": "Float"}}]
     trace = tmp_path / "rank0.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    got = scale.trace_breakdown(trace, steps=1)
-    assert got["gpu_busy_ms"] == pytest.approx(0.150)   # 0-150 us
-    assert got["compute_ms"] == pytest.approx(0.130)    # 0-100 and 120-150
-    assert got["comm_ms"] == pytest.approx(0.100)
-    assert got["exposed_comm_ms"] == pytest.approx(0.020)  # 100-120: the collective alone
-    assert got["all_reduce_bytes"] == 4000
+    got = scale.trace_breakdown(trace, step_time_s=300e-6)  # the 150 us window is half a step
+    assert got["gpu_busy_ms"] == pytest.approx(0.300)   # 0-150 us, twice
+    assert got["compute_ms"] == pytest.approx(0.260)    # 0-100 and 120-150
+    assert got["comm_ms"] == pytest.approx(0.200)
+    assert got["exposed_comm_ms"] == pytest.approx(0.040)  # 100-120: the collective alone
+    assert got["all_reduce_bytes"] == 8000
 
 
 def test_cluster_model_hides_what_fits_in_the_last_backward():

@@ -13,13 +13,17 @@ out parameters:
   w, k, v, r, g), their biases stacked in `x_bias` [5, C], and the second mix matrix is one
   Linear [C, 5 r] instead of [5, r, C].
 
-Two numerical differences are fla's, not the mapping's: fla's RWKV6 GroupNorm uses `norm_eps`
-(1e-5) where flame and RWKV-LM use 1e-5 * 8^2, and fla's RWKV7 GroupNorm uses
-`head_dim * norm_eps` where flame uses `head_dim * 1e-5` (equal at the default norm_eps).
+fla's config has one eps, `norm_eps`, for the block norms and the attention output's GroupNorm:
+its RWKV7 GroupNorm uses `head_dim * norm_eps`, its RWKV6 GroupNorm `norm_eps` itself (GSA's
+output RMSNorm uses `norm_eps`, as flame's does). flame's `group_norm_eps` is its own field, so an
+fla export carries it only when it equals fla's value; `check_fla_eps` refuses the others (the
+RWKV defaults, 64e-5 with norm_eps 1e-5, fit fla's RWKV7 at head_dim 64 only), and a read fla
+config gives `group_norm_eps` the value fla computes with.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -235,6 +239,24 @@ def fla_config(model_args, state_dict: dict[str, torch.Tensor], token_ids: dict)
             "clamp_min": None, "clamp_max": None, "fuse_swiglu": True, "use_l2warp": False}
 
 
+def fla_group_norm_eps(family: str, head_dim: int, norm_eps: float) -> float | None:
+    """The eps of fla's GroupNorm on the attention output of `family` (None: GSA has none)."""
+    return {"rwkv7": head_dim * norm_eps, "rwkv6": norm_eps}.get(family)
+
+
+def check_fla_eps(model_args) -> None:
+    """ExportError when fla's model would compute the attention output's GroupNorm with another
+    eps than `model_args.group_norm_eps` (fla derives it from norm_eps)."""
+    family = model_args.family
+    fla_eps = fla_group_norm_eps(family, model_args.head_dim, model_args.norm_eps)
+    if fla_eps is None or math.isclose(model_args.group_norm_eps, fla_eps, rel_tol=1e-9):
+        return
+    rule = "head_dim x norm_eps" if family == "rwkv7" else "norm_eps"
+    raise ExportError(f"the fla format cannot hold model.group_norm_eps = {model_args.group_norm_eps:g}: fla's "
+                      f"{family} computes that GroupNorm with {rule} = {fla_eps:g}, so the export would compute "
+                      f"another function; export as hf, or train with model.group_norm_eps = {fla_eps:g}")
+
+
 def _require(config: dict, key: str, allowed, family: str) -> None:
     value = config.get(key, allowed[0])
     if value not in allowed:
@@ -263,14 +285,18 @@ def model_args_from_fla_config(config: dict):
         if value_dim not in (None, C, [C] * config["num_hidden_layers"]):
             raise ExportError(f"fla rwkv7 config has value_dim = {value_dim!r}; flame's rwkv7 needs value_dim = hidden_size")
         head_dim = config.get("head_dim") or C // config["num_heads"]
-        return Model(**common, head_dim=head_dim, decay_low_rank_dim=config["decay_low_rank_dim"],
+        return Model(**common, head_dim=head_dim,
+                     group_norm_eps=fla_group_norm_eps(family, head_dim, common["norm_eps"]),
+                     decay_low_rank_dim=config["decay_low_rank_dim"],
                      a_low_rank_dim=config["a_low_rank_dim"], v_low_rank_dim=config["v_low_rank_dim"],
                      gate_low_rank_dim=config["gate_low_rank_dim"], l2wrap=bool(config.get("use_l2warp", True)))
     if family == "rwkv6":
         _require(config, "hidden_act", ("sqrelu",), family)
         _require(config, "expand_k", (1, 1.0), family)
         _require(config, "expand_v", (1, 1.0), family)
-        return Model(**common, head_dim=C // config["num_heads"], mix_low_rank_dim=config["proj_low_rank_dim"],
+        head_dim = C // config["num_heads"]
+        return Model(**common, head_dim=head_dim, mix_low_rank_dim=config["proj_low_rank_dim"],
+                     group_norm_eps=fla_group_norm_eps(family, head_dim, common["norm_eps"]),
                      decay_low_rank_dim=config["gate_low_rank_dim"])
     for key, allowed in (("use_short_conv", (False,)), ("use_output_gate", (False,)), ("feature_map", ("swish",)),
                          ("hidden_act", ("swish", "silu")), ("exapnd_k", (1, 1.0)), ("exapnd_v", (1, 1.0)),
@@ -280,4 +306,5 @@ def model_args_from_fla_config(config: dict):
                  num_slots=config["num_slots"], gate_logit_normalizer=float(config["gate_logit_normalizer"]))
 
 
-__all__ = ["FLA_MODEL_TYPES", "fla_config", "from_fla", "model_args_from_fla_config", "to_fla"]
+__all__ = ["FLA_MODEL_TYPES", "check_fla_eps", "fla_config", "fla_group_norm_eps", "from_fla",
+           "model_args_from_fla_config", "to_fla"]

@@ -13,15 +13,23 @@ matrices are applied as `x @ W`, like flame's, so they keep their layout. Per fa
   `ln_x`; channel mix `time_maa_k`, `time_maa_r`, `key`, `receptance`, `value`.
 
 RWKV-LM has no weight tying: a tied flame model writes its embedding as `head.weight` too.
+
+The format has no config: RWKV-LM and the rwkv package hard-code the LayerNorm eps (1e-5) and the
+attention output's GroupNorm eps (64e-5). A model whose `norm_eps` or `group_norm_eps` differs
+would compute another function there, so `check_official_eps` refuses to export it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from flame.export.checkpoint_reader import ExportError
 
 RWKV_FAMILIES = ("rwkv6", "rwkv7")
+OFFICIAL_EPS = {"norm_eps": 1e-5, "group_norm_eps": 64e-5}
+"""The `Model` eps fields and the values RWKV-LM and the rwkv package hard-code for them."""
 FAMILY_MARKERS = {"rwkv7": "blocks.0.att.w0", "rwkv6": "blocks.0.att.time_maa_x"}
 """A tensor that only this family's RWKV-LM state dict holds."""
 OLDER_MARKERS = ("blocks.0.att.time_first", "blocks.0.att.time_mix_k")
@@ -79,6 +87,16 @@ def detect_family(state_dict: dict) -> str:
         raise ExportError("the .pth is an RWKV-4/5 state dict; flame reads RWKV6 and RWKV7 only")
     raise ExportError(f"the .pth is not an RWKV-LM RWKV6 or RWKV7 state dict (it has neither "
                       f"{' nor '.join(FAMILY_MARKERS.values())})")
+
+
+def check_official_eps(model_args) -> None:
+    """ExportError naming the first eps field of `model_args` that differs from RWKV-LM's."""
+    for key, official in OFFICIAL_EPS.items():
+        value = getattr(model_args, key)
+        if not math.isclose(value, official, rel_tol=1e-9):
+            raise ExportError(f"the RWKV-LM .pth format cannot hold model.{key} = {value:g}: RWKV-LM and the "
+                              f"rwkv package hard-code {official:g}, so the export would compute another "
+                              f"function; export as hf instead")
 
 
 def to_rwkv(state_dict: dict[str, torch.Tensor], family: str, tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
@@ -147,7 +165,8 @@ def model_args_from_rwkv(state_dict: dict[str, torch.Tensor]):
     family = detect_family(state_dict)
     vocab, C = state_dict["emb.weight"].shape
     common = dict(family=family, vocab_size=vocab, hidden_size=C, num_layers=_num_layers(state_dict, "blocks."),
-                  ffn_hidden_size=state_dict["blocks.0.ffn.key.weight"].shape[0], tie_word_embeddings=False)
+                  ffn_hidden_size=state_dict["blocks.0.ffn.key.weight"].shape[0], tie_word_embeddings=False,
+                  **OFFICIAL_EPS)
     if family == "rwkv7":
         return Model(**common, head_dim=state_dict["blocks.0.att.r_k"].shape[1],
                      decay_low_rank_dim=state_dict["blocks.0.att.w1"].shape[1],
@@ -160,4 +179,5 @@ def model_args_from_rwkv(state_dict: dict[str, torch.Tensor]):
                  decay_low_rank_dim=state_dict["blocks.0.att.time_decay_w1"].shape[1])
 
 
-__all__ = ["RWKV_FAMILIES", "detect_family", "from_rwkv", "model_args_from_rwkv", "to_rwkv"]
+__all__ = ["OFFICIAL_EPS", "RWKV_FAMILIES", "check_official_eps", "detect_family", "from_rwkv",
+           "model_args_from_rwkv", "to_rwkv"]

@@ -60,6 +60,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     family = run.model_args.family
     if fmt == "rwkv" and family not in rwkv.RWKV_FAMILIES:
         raise ExportError(f"the RWKV-LM format holds RWKV6 and RWKV7 models only; {run.step_dir} is {family}")
+    if fmt == "rwkv":
+        rwkv.check_official_eps(run.model_args)
+    if fmt == "fla":
+        fla.check_fla_eps(run.model_args)
     tokens = None if fmt == "rwkv" else token_ids(run.tokenizer)
     state = read_model_state_dict(run.step_dir, dtype)
     run.model_args = untie_if_different(run.model_args, state)

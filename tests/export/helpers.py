@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
+import tomllib
 from pathlib import Path
 
 import torch
 
-from flame.config import config_from_dict
+from flame.config import config_from_dict, to_toml
 from flame.data.tokenizer import EMBEDDED_DIR
 
 VOCAB = 256
@@ -70,3 +72,13 @@ def train_run(family: str, dump, tokenizer: Path, **sections):
     trainer = Trainer(run_config(family, dump, tokenizer, **sections), dataloader=batches())
     trainer.train()
     return trainer
+
+
+def with_model_fields(dump: Path, copy: Path, **fields) -> Path:
+    """A copy of the run folder `dump` whose config.toml changes these `model` fields (the same
+    weights): a model that computes with another eps, for the formats that need it."""
+    shutil.copytree(dump, copy)
+    data = tomllib.loads((copy / "config.toml").read_text())
+    data["model"].update(fields)
+    (copy / "config.toml").write_text(to_toml(config_from_dict(data)))
+    return copy

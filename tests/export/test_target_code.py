@@ -21,12 +21,11 @@ import pytest
 import torch
 
 from flame.config import load_config
-from flame.export import ExportError, load_model
+from flame.export import ExportError, export_checkpoint
 from flame.export.__main__ import main as export_main
-from flame.export.fla import fla_group_norm_eps
-from flame.export.formats import read_exported
-from flame.export.rwkv import OFFICIAL_EPS
-from flame.export.writer import export_checkpoint
+from flame.weights import load_model, read_exported
+from flame.weights.fla_names import fla_group_norm_eps
+from flame.weights.rwkv_names import OFFICIAL_EPS
 from tests.export.helpers import VOCAB, make_tokenizer, run_config, with_model_fields
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from flame.export.rwkv import to_rwkv
+from flame.weights.rwkv_names import to_rwkv
 from flame.models import build_model
 from tests.models.helpers import FAMILIES, assert_same_state, build_on_meta, build_seeded, tiny_args
 

@@ -41,11 +41,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_for_inference(model_dir: str, device: torch.device, dtype: torch.dtype):
     """(model in eval mode on `device` in `dtype`, its Tokenizer) from a trained model's folder:
     an exported Hugging Face folder, or a run's dump folder, checkpoint folder or step folder
-    (read by flame.export.checkpoint_reader.load_model)."""
+    (read by flame.weights.load_model)."""
     if not Path(model_dir).exists():
         raise InferenceError(f"model folder {model_dir} does not exist")
     from flame.data.tokenizer import load_tokenizer
-    from flame.export.checkpoint_reader import load_model
+    from flame.weights import load_model
 
     model, _, tokenizer_path = load_model(model_dir)
     tokenizer = load_tokenizer(str(tokenizer_path or ""))

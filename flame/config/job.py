@@ -77,6 +77,11 @@ class Model:
     """RWKV7 only: rank of the output-gate LoRA; 0 picks the official formula."""
     norm_eps: float = field(default=1e-5, metadata={"gt": 0})
     """Epsilon of the LayerNorm / RMSNorm layers."""
+    group_norm_eps: float = field(default=64e-5, metadata={"gt": 0})
+    """RWKV6 and RWKV7: epsilon of the per-head GroupNorm of the attention output (ln_x). The
+    official value, 64e-5 whatever the head size, is what RWKV-LM and the rwkv package compute
+    and what an RWKV-LM .pth export requires. fla uses head_dim x norm_eps for RWKV7
+    (head_dim x 1e-5 by default, equal at head_dim 64) and norm_eps for RWKV6."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the output head."""
     l2wrap: bool = True

@@ -1,22 +1,15 @@
-"""flame.export: a run's weights out of and back into flame.
+"""flame.export: a run's checkpoint written in another format.
 
-- `python -m flame.export` writes a checkpoint as a Hugging Face folder (`hf`, flame's own model
-  classes behind transformers' trust_remote_code), an fla folder (`fla`, fla 0.6's names and
-  config) or an RWKV-LM `.pth` (`rwkv`, RWKV6 and RWKV7);
-- `load_model(path)` gives flame's own model from a checkpoint or from any of these exports;
-- `formats.read_exported` reads an export back into flame's names (the trainer's
-  `checkpoint.initial_load_path` uses it to continue pretraining from released weights).
+`python -m flame.export` writes a checkpoint as a Hugging Face folder (`hf`, flame's own model
+classes behind transformers' trust_remote_code), an fla folder (`fla`, fla 0.6's names and
+config) or an RWKV-LM `.pth` (`rwkv`, RWKV6 and RWKV7); `export_checkpoint` does it from Python.
 
-It reads the trainer's checkpoint layout (flame.train.checkpoint); transformers and safetensors
-are imported only where a format needs them.
+The run's checkpoint and the exports are read by flame.weights (`load_model`, `read_exported`),
+which this package imports; transformers and safetensors are imported only where a format needs
+them.
 """
 
-from flame.export.checkpoint_reader import (
-    ExportError,
-    find_step_dir,
-    load_model,
-    read_model_state_dict,
-    read_run_checkpoint,
-)
+from flame.export.errors import ExportError
+from flame.export.writer import export_checkpoint
 
-__all__ = ["ExportError", "find_step_dir", "load_model", "read_model_state_dict", "read_run_checkpoint"]
+__all__ = ["ExportError", "export_checkpoint"]

@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flame.config import ConfigError
+from flame.data.errors import DataError
+from flame.export.writer import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, export_checkpoint
+from flame.weights import WeightsError
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from flame.export.writer import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS
-
     parser = argparse.ArgumentParser(
         prog="python -m flame.export",
         description="Export a flame checkpoint (any number of saving ranks, the optimizer state "
@@ -31,15 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from flame.config import ConfigError
-    from flame.data.errors import DataError
-    from flame.export.checkpoint_reader import ExportError
-    from flame.export.writer import DTYPES, export_checkpoint
-
     try:
         out = export_checkpoint(args.checkpoint, args.out, fmt=args.format, dtype=DTYPES[args.dtype],
                                 step=args.step, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
-    except (ExportError, ConfigError, DataError, OSError) as err:
+    except (WeightsError, ConfigError, DataError, OSError) as err:
         print(f"flame.export: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 1
     print(f"flame.export: wrote {out}")

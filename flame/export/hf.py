@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
+from flame.config import Model
 from flame.config.job import TRAINING_MEMORY_FIELDS
-from flame.export.formats import HF_MODEL_TYPE as MODEL_TYPE
+from flame.models import build_model
+from flame.weights.foreign import HF_MODEL_TYPE as MODEL_TYPE
 
 MODELING_FILE = "modeling_flame.py"
 AUTO_MAP = {
@@ -31,8 +33,6 @@ IGNORE_INDEX = -100
 
 def model_fields() -> dict[str, object]:
     """flame's model-config fields (`flame.config.Model`) and their defaults."""
-    from flame.config import Model
-
     defaults = Model()
     return {f.name: getattr(defaults, f.name) for f in dataclasses.fields(Model)}
 
@@ -56,8 +56,6 @@ class FlameConfig(PretrainedConfig):
 
     def model_args(self):
         """The `flame.config.Model` these fields describe."""
-        from flame.config import Model
-
         return Model(**{name: getattr(self, name) for name in model_fields()})
 
 
@@ -74,8 +72,6 @@ class FlameForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: FlameConfig):
         super().__init__(config)
-        from flame.models import build_model
-
         self.model = build_model(config)
         self.post_init()
 

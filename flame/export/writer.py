@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from flame.export import fla, rwkv
-from flame.export.checkpoint_reader import (
-    ExportError,
-    read_model_state_dict,
-    read_run_checkpoint,
-    untie_if_different,
-)
-from flame.export.formats import CONFIG_JSON, SAFETENSORS_FILE, SAFETENSORS_INDEX, HF_PREFIX
+from flame.data import load_tokenizer
+from flame.export.fla import check_fla_eps, fla_config
+from flame.export.errors import ExportError
+from flame.export.rwkv import check_rwkv_format
+from flame.weights import read_model_state_dict, read_run_checkpoint, untie_if_different
+from flame.weights.fla_names import to_fla
+from flame.weights.foreign import CONFIG_JSON, HF_PREFIX, SAFETENSORS_FILE, SAFETENSORS_INDEX
+from flame.weights.rwkv_names import to_rwkv
 
 FORMATS = ("hf", "fla", "rwkv")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -58,8 +58,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     check_output(out, fmt, overwrite)
     run = read_run_checkpoint(checkpoint, step)
     family = run.model_args.family
-    if fmt == "rwkv" and family not in rwkv.RWKV_FAMILIES:
-        raise ExportError(f"the RWKV-LM format holds RWKV6 and RWKV7 models only; {run.step_dir} is {family}")
+    if fmt == "rwkv":
+        check_rwkv_format(run.model_args)
+    if fmt == "fla":
+        check_fla_eps(run.model_args)
     tokens = None if fmt == "rwkv" else token_ids(run.tokenizer)
     state = read_model_state_dict(run.step_dir, dtype)
     run.model_args = untie_if_different(run.model_args, state)
@@ -69,7 +71,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     _remove(tmp)
     try:
         if fmt == "rwkv":
-            torch.save(rwkv.to_rwkv(state, family, run.model_args.tie_word_embeddings), str(tmp))
+            torch.save(to_rwkv(state, family, run.model_args.tie_word_embeddings), str(tmp))
         else:
             tmp.mkdir()
             if run.model_args.tie_word_embeddings:
@@ -78,10 +80,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
                 write_hf_config(tmp, run.model_args, tokens, dtype)
                 weights = {HF_PREFIX + name: tensor for name, tensor in state.items()}
             else:
-                config = fla.fla_config(run.model_args, state, tokens["ids"])
+                config = fla_config(run.model_args, state, tokens["ids"])
                 config["torch_dtype"] = str(dtype).removeprefix("torch.")
                 (tmp / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
-                weights = fla.to_fla(state, family)
+                weights = to_fla(state, family)
             del state
             write_safetensors(weights, tmp, max_shard_size)
             write_generation_config(tmp, tokens["ids"])
@@ -108,8 +110,6 @@ def _remove(path: Path) -> None:
 def token_ids(tokenizer_path: str) -> dict:
     """The run's end-of-document token, which is also its begin-of-document and padding token
     (flame's data pipeline ends every document with it)."""
-    from flame.data import load_tokenizer
-
     tokenizer = load_tokenizer(tokenizer_path)
     eod = tokenizer.eod_id
     return {"eod_token": tokenizer.backend.id_to_token(eod),

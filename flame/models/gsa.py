@@ -7,7 +7,7 @@ Layer equations (x: the normed block input; HQ query heads, H key/value heads, h
     o = chunk_gsa(q, k, v, s, g, scale=1)
     out = W_o RMSNorm_{HQ d}(silu(o))      (the norm runs in fp32)
 MLP: W_down (silu(W_gate x) * W_up x). Init: normal(0.02) everywhere, W_o and W_down rescaled by
-1/sqrt(2 L) (the GPT-2 residual rule), norms 1.
+1/sqrt(2 L) (the GPT-2 residual rule), norms 1: fla's init (docs/initialization.md).
 """
 
 from __future__ import annotations

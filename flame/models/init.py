@@ -6,9 +6,9 @@ as a full fp32 tensor, then copies it in. That one path works for plain paramete
 meta device with `to_empty()`, and for FSDP2-sharded DTensors (each rank computes the same full
 value from the same seed and keeps its own shard, with no communication).
 
-The official RWKV formulas (kernels.md 4.1 item 6 and 4.2 item 8) are written in terms of the
-layer index l of L layers and the channel index n of C channels; `layer_ratios` and
-`channel_ramps` give those quantities once, so each layer's init reads like the formula.
+The official RWKV formulas (docs/initialization.md) are written in terms of the layer index l of
+L layers and the channel index n of C channels; `layer_ratios` and `channel_ramps` give those
+quantities once, so each layer's init reads like the formula.
 """
 
 from __future__ import annotations
@@ -63,13 +63,11 @@ def orthogonal_(param: torch.Tensor, gain: float) -> None:
     assign_(param, nn.init.orthogonal_(_fresh(param), gain=gain))
 
 
-def rwkv_orthogonal_(param: torch.Tensor, scale: float) -> None:
-    """The official RWKV rule: orthogonal with gain scale * sqrt(rows / cols) when rows > cols,
-    else scale; zero when scale == 0. Shapes are read as stored: [out, in] for nn.Linear weights,
-    [in, out] for the LoRA matrices (applied as x @ W), which is the official orientation of both."""
-    if scale == 0:
-        zeros_(param)
-        return
+def lora_orthogonal_(param: torch.Tensor, scale: float) -> None:
+    """RWKV7's rule for the second LoRA matrices ([rank, C], applied as x @ W): orthogonal with
+    gain scale * sqrt(rows / cols) when rows > cols, else scale. The projection weights do not
+    follow it: RWKV-LM's generate_init_weight sets them orthogonal with the plain gain (see
+    docs/initialization.md)."""
     rows, cols = param.shape
     gain = math.sqrt(rows / cols) if rows > cols else 1.0
     orthogonal_(param, gain * scale)
@@ -96,7 +94,7 @@ def channel_ramps(channels: int, head_dim: int) -> dict[str, torch.Tensor]:
 
 
 def rwkv7_lora_ranks(hidden_size: int) -> dict[str, int]:
-    """The official RWKV7 LoRA-rank suggestions (kernels.md 4.2 item 9):
+    """The official RWKV7 LoRA-rank suggestions (docs/initialization.md):
     decay, a: max(32, round(2.5 sqrt(C) / 32) * 32); v: 1.7 sqrt(C); gate: 5 sqrt(C)."""
 
     def rank(factor: float) -> int:

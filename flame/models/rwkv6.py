@@ -8,7 +8,7 @@ Layer equations (x: the normed block input, delta = token_shift(x) - x):
     r = W_r x_r,  k = W_k x_k,  v = W_v x_v,  g = silu(W_g x_g)
     w = -exp(time_decay + tanh(x_w @ decay_w1) @ decay_w2)    log-decay < 0
     o = chunk_rwkv6(r, k, v, w, u=bonus, scale=1)
-    out = W_o (GroupNorm_H(o) (eps 1e-5 * 8^2) * g)
+    out = W_o (GroupNorm_H(o) (eps group_norm_eps, officially 1e-5 * 8^2) * g)
 Channel mix: out = sigmoid(W_r (x + delta mu_r)) * W_v relu(W_k (x + delta mu_k))^2, width 3.5 C
 rounded down to a multiple of 32.
 Block: pre-LN, x += attn(ln1 x); x += ffn(ln2 x); layer 0 first applies ln0.
@@ -28,8 +28,6 @@ from flame import ops
 
 DECAY_LOW_RANK_DIM = 64
 """The official RWKV6 decay-LoRA rank, used when decay_low_rank_dim is 0."""
-HEAD_SIZE_DIVISOR = 8
-"""Official x060: the output GroupNorm eps is 1e-5 * HEAD_SIZE_DIVISOR^2."""
 MIX_BRANCHES = 5  # w, k, v, r, g
 
 
@@ -65,12 +63,13 @@ class RWKV6Attention(nn.Module):
         self.value = nn.Linear(C, C, bias=False)
         self.gate = nn.Linear(C, C, bias=False)
         self.output = nn.Linear(C, C, bias=False)
-        self.ln_x = GroupNorm(self.num_heads, C, eps=1e-5 * HEAD_SIZE_DIVISOR**2)
+        self.ln_x = GroupNorm(self.num_heads, C, eps=args.group_norm_eps)
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Official x060 init (kernels.md 4.1 item 6), plus the official GroupNorm weight
-        ((l+1)/L)^0.7 of RWKV-LM's generate_init_weight."""
+        """RWKV-LM's x060 init (docs/initialization.md): the formulas of RWKV_Tmix_x060, then
+        generate_init_weight's projections (receptance and value orthogonal with gain 1, key and
+        gate 0.1, output 0) and GroupNorm weight ((l+1)/L)^0.7."""
         C = self.time_decay.numel()
         r0, r1 = init.layer_ratios(self.layer_id, self.num_layers)
         ramp = init.channel_ramps(C, self.head_dim)
@@ -89,10 +88,10 @@ class RWKV6Attention(nn.Module):
         n = torch.arange(C, dtype=torch.float32, device="cpu")
         bonus = r0 * (1 - n_ramp) + 0.1 * ((n + 1) % 3 - 1)
         init.assign_(self.bonus, bonus.view(self.num_heads, self.head_dim))
-        init.rwkv_orthogonal_(self.receptance.weight, 1.0)
-        init.rwkv_orthogonal_(self.key.weight, 0.1)
-        init.rwkv_orthogonal_(self.value.weight, 1.0)
-        init.rwkv_orthogonal_(self.gate.weight, 0.1)
+        init.orthogonal_(self.receptance.weight, 1.0)
+        init.orthogonal_(self.key.weight, 0.1)
+        init.orthogonal_(self.value.weight, 1.0)
+        init.orthogonal_(self.gate.weight, 0.1)
         init.zeros_(self.output.weight)
         init.constant_(self.ln_x.weight, ((self.layer_id + 1) / self.num_layers) ** 0.7)
         init.zeros_(self.ln_x.bias)
@@ -146,12 +145,14 @@ class RWKV6FeedForward(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Official x060 RWKV_CMix_x060: mu_k = mu_r = 1 - (n/C)^{r1}; receptance and value zero."""
+        """RWKV-LM's RWKV_CMix_x060 and generate_init_weight (docs/initialization.md): mu_k =
+        mu_r = 1 - (n/C)^{r1^3}; key orthogonal with gain 1 (whatever its shape); receptance and
+        value 0."""
         _, r1 = init.layer_ratios(self.layer_id, self.num_layers)
         ddd = init.channel_ramps(self.mu_k.numel(), 1)["ddd"]
-        init.assign_(self.mu_k, 1 - ddd**r1)
-        init.assign_(self.mu_r, 1 - ddd**r1)
-        init.rwkv_orthogonal_(self.key.weight, 1.0)
+        init.assign_(self.mu_k, 1 - ddd ** (r1**3))
+        init.assign_(self.mu_r, 1 - ddd ** (r1**3))
+        init.orthogonal_(self.key.weight, 1.0)
         init.zeros_(self.receptance.weight)
         init.zeros_(self.value.weight)
 

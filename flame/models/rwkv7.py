@@ -9,7 +9,7 @@ Layer equations (x: the normed block input, delta = token_shift(x) - x):
     g = sigmoid(x_g G1) G2                       output gate
     kappa = L2normalize(k * k_k) per head;  k <- k * (1 + (a - 1) * k_a)
     o = chunk_rwkv7(r, w, k, v, a=-kappa, b=kappa * a, scale=1)
-    o = GroupNorm_H(o) (eps head_dim * 1e-5) + (sum_head(r * k * r_k)) v
+    o = GroupNorm_H(o) (eps group_norm_eps, officially 64e-5) + (sum_head(r * k * r_k)) v
     out = W_o (o * g)
 Channel mix: out = W_v relu(W_k (x + delta * mu_k))^2.
 Block: pre-LN, x += attn(ln1 x); x += ffn(ln2 x); layer 0 first applies ln0.
@@ -65,11 +65,13 @@ class RWKV7Attention(nn.Module):
         self.g1, self.g2 = matrix_param(C, rank_g), matrix_param(rank_g, C)
         self.k_k, self.k_a = vector_param(C), vector_param(C)
         self.r_k = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
-        self.ln_x = GroupNorm(self.num_heads, C, eps=self.head_dim * 1e-5)
+        self.ln_x = GroupNorm(self.num_heads, C, eps=args.group_norm_eps)
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Official RWKV7 init (kernels.md 4.2 item 8), every output projection zero."""
+        """RWKV-LM's RWKV7 init (docs/initialization.md): the formulas of RWKV_Tmix_x070, then
+        generate_init_weight's projections (receptance and value orthogonal with gain 1, key 0.1,
+        output 0) and GroupNorm weight ((l+1)/L)^0.7."""
         C = self.w0.numel()
         r0, r1 = init.layer_ratios(self.layer_id, self.num_layers)
         ramp = init.channel_ramps(C, self.head_dim)
@@ -92,10 +94,10 @@ class RWKV7Attention(nn.Module):
             lora_pairs.append((self.v1, self.v2))
         for first, second in lora_pairs:
             init.zeros_(first)
-            init.rwkv_orthogonal_(second, 0.1)
-        init.rwkv_orthogonal_(self.receptance.weight, 1.0)
-        init.rwkv_orthogonal_(self.key.weight, 0.1)
-        init.rwkv_orthogonal_(self.value.weight, 1.0)
+            init.lora_orthogonal_(second, 0.1)
+        init.orthogonal_(self.receptance.weight, 1.0)
+        init.orthogonal_(self.key.weight, 0.1)
+        init.orthogonal_(self.value.weight, 1.0)
         init.zeros_(self.output.weight)
         init.constant_(self.ln_x.weight, ((self.layer_id + 1) / self.num_layers) ** 0.7)
         init.zeros_(self.ln_x.bias)
@@ -160,10 +162,12 @@ class RWKV7FeedForward(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
+        """RWKV-LM's RWKV_CMix_x070 and generate_init_weight (docs/initialization.md): mu_k =
+        1 - (n/C)^{r1^4}; key orthogonal with gain 1 (whatever its shape), value 0."""
         _, r1 = init.layer_ratios(self.layer_id, self.num_layers)
         ddd = init.channel_ramps(self.mu_k.numel(), 1)["ddd"]
         init.assign_(self.mu_k, 1 - ddd ** (r1**4))
-        init.rwkv_orthogonal_(self.key.weight, 1.0)
+        init.orthogonal_(self.key.weight, 1.0)
         init.zeros_(self.value.weight)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,

@@ -16,11 +16,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from flame.config import ConfigError, load_config
     from flame.data import DataError
-    from flame.train.checkpoint import CheckpointError
     from flame.train.parallel import CollectiveFailure
     from flame.train.preemption import PREEMPTED_EXIT_CODE, Preempted
     from flame.train.run_lock import RunLockedError
     from flame.train.trainer import NonFiniteTrainingError, Trainer
+    from flame.weights import WeightsError
 
     try:
         cfg = load_config(sys.argv[1:] if argv is None else list(argv))
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as stop:
         print(f"flame-train: {stop}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
-    except (DataError, CheckpointError, NonFiniteTrainingError, RunLockedError,
+    except (DataError, WeightsError, NonFiniteTrainingError, RunLockedError,
             CollectiveFailure) as err:
         print(f"flame-train: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

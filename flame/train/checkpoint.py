@@ -1,10 +1,11 @@
-"""Sharded, resumable checkpoints with torch.distributed.checkpoint (DCP).
+"""Sharded, resumable checkpoints with torch.distributed.checkpoint (DCP): save, load, prune.
 
-Layout: `<dump_folder>/<checkpoint.folder>/step-N/`, the DCP shards plus `COMPLETE`, a marker that
-rank 0 writes only after every rank's shards and DCP's metadata are on disk. A folder without the
-marker (a run killed mid-save) is ignored when resuming and removed when that step is saved again;
-a save that fails (disk full, unwritable) removes its folder itself and leaves the older
-checkpoints as they were (keep_latest_k prunes only after a save that succeeded).
+Layout (flame.weights.layout): `<dump_folder>/<checkpoint.folder>/step-N/`, the DCP shards plus
+`COMPLETE`, a marker that rank 0 writes only after every rank's shards and DCP's metadata are on
+disk. A folder without the marker (a run killed mid-save) is ignored when resuming and removed
+when that step is saved again; a save that fails (disk full, unwritable) removes its folder itself
+and leaves the older checkpoints as they were (keep_latest_k prunes only after a save that
+succeeded). A checkpoint that cannot be read is a `flame.weights.WeightsError`.
 
 What a checkpoint holds (the `state` dict given to `save` / `load`):
 - "model", "optimizer": `Stateful`s built on DCP's `get_state_dict` (FSDP-sharded, FQN-keyed);
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -38,19 +38,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from flame.train.fault_injection import fault_point
+from flame.weights import (
+    COMPLETE_MARKER,
+    WeightsError,
+    check_readable,
+    check_state_dict,
+    complete_steps,
+    first_line,
+    read_exported,
+    step_dir,
+)
 
 logger = logging.getLogger("flame.train")
-
-COMPLETE_MARKER = "COMPLETE"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # Without torch.distributed, DCP warns that it assumes a single process: that is exactly the
 # single-process run, so the warning is noise.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used: missing, incomplete, corrupt or incompatible."""
+class CheckpointError(WeightsError):
+    """A checkpoint cannot be saved, or the run refuses to resume from the one it names (another
+    data-parallel size, a full resume from model-only weights). A checkpoint that cannot be read
+    is its parent, WeightsError."""
 
 
 class ModelState(Stateful):
@@ -126,18 +135,11 @@ class CheckpointManager:
     # ---- discovery -----------------------------------------------------------------------
 
     def step_dir(self, step: int) -> Path:
-        return self.folder / f"step-{step}"
+        return step_dir(self.folder, step)
 
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first."""
-        if not self.folder.is_dir():
-            return []
-        steps = []
-        for entry in self.folder.iterdir():
-            match = STEP_DIR.match(entry.name)
-            if match and (entry / COMPLETE_MARKER).is_file():
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return complete_steps(self.folder)
 
     def save_due_by_time(self) -> bool:
         """checkpoint.interval_minutes have passed since the last save began (this rank's clock)."""
@@ -266,12 +268,13 @@ class CheckpointManager:
     # ---- load ----------------------------------------------------------------------------
 
     def resume_step(self) -> int | None:
-        """The step to resume from: checkpoint.load_step, else the latest complete one."""
+        """The step to resume from: checkpoint.load_step (WeightsError when it is not complete),
+        else the latest complete one."""
         if self.cfg.load_step >= 0:
             path = self.step_dir(self.cfg.load_step)
             if not (path / COMPLETE_MARKER).is_file():
                 found = self.complete_steps()
-                raise CheckpointError(
+                raise WeightsError(
                     f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint at {path} "
                     f"(complete checkpoints: {found or 'none'})"
                 )
@@ -280,27 +283,21 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def load(self, path: str | Path, state: dict[str, Any]) -> None:
-        """Load `state` in place from the checkpoint folder `path`, with clear errors."""
+        """Load `state` in place from the checkpoint folder `path`; WeightsError when it cannot be
+        read (missing, incomplete, corrupt, of another model or run)."""
         path = Path(path)
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint folder {path} does not exist")
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete: DCP metadata file .metadata is missing"
-            )
+        check_readable(path)
         start = time.monotonic()
         logger.info("checkpoint: loading %s (%s) ...", path, ", ".join(sorted(state)))
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except CheckpointError:
-            raise
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             cause = err
             if isinstance(err, CheckpointException) and err.failures:  # per-rank (exc, trace)
                 cause = next(iter(err.failures.values()))[0]
-            raise CheckpointError(
+            raise WeightsError(
                 f"checkpoint {path} could not be loaded, it is corrupt or does not match this "
-                f"model/run: {type(cause).__name__}: {_first_line(cause)}"
+                f"model/run: {type(cause).__name__}: {first_line(cause)}"
             ) from (err if isinstance(err, Exception) else cause)
         logger.info("checkpoint: loaded %s in %.1fs", path, time.monotonic() - start)
 
@@ -309,19 +306,17 @@ def load_exported_weights(model: torch.nn.Module, path: str | Path, family: str)
     """Load model weights only from an exported `hf` or `fla` folder or an RWKV-LM `.pth`
     (flame.export's formats) into `model`, sharded or not: converted to flame's names, checked
     against the model (the first missing, unexpected or misshapen tensor is named, with both
-    shapes), then handed to `set_model_state_dict` as a full state dict that every rank holds."""
-    from flame.export.checkpoint_reader import ExportError, check_state_dict
-    from flame.export.formats import read_exported
-
+    shapes), then handed to `set_model_state_dict` as a full state dict that every rank holds.
+    A failed read is a WeightsError whose message starts with the config key."""
     try:
         _, state, _ = read_exported(path, family)
         expected = get_model_state_dict(model)  # sharded tensors report their full shapes
         tied = bool(getattr(model, "tie_word_embeddings", False))
         check_state_dict(expected, state, tied_head=tied, source=str(path))
-    except ExportError as err:
-        raise CheckpointError(f"checkpoint.initial_load_path: {err}") from err
+    except WeightsError as err:
+        raise WeightsError(f"checkpoint.initial_load_path: {err}") from err
     if tied and "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["embeddings.weight"]):
-        raise CheckpointError(
+        raise WeightsError(
             f"checkpoint.initial_load_path: {path} holds a head (lm_head.weight) that differs from "
             f"its embedding, but this run ties them (model.tie_word_embeddings = true)"
         )
@@ -338,8 +333,8 @@ def _describe(err: BaseException) -> str:
         return str(err)
     if isinstance(err, CheckpointException) and err.failures:
         rank, (cause, _) = next(iter(err.failures.items()))
-        return f"on rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
-    return f"{type(err).__name__}: {_first_line(err)}"
+        return f"on rank {rank}: {type(cause).__name__}: {first_line(cause)}"
+    return f"{type(err).__name__}: {first_line(err)}"
 
 
 def _cause(err: BaseException) -> BaseException | None:
@@ -347,8 +342,3 @@ def _cause(err: BaseException) -> BaseException | None:
     if isinstance(err, CheckpointException) and err.failures:
         return next(iter(err.failures.values()))[0]
     return err if isinstance(err, Exception) else None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:500] if text else ""

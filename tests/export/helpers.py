@@ -1,15 +1,22 @@
-"""Tiny trained runs to export: a 256-token tokenizer, one small model per family, a few steps."""
+"""Tiny trained runs to export: a 256-token tokenizer, one small model per family, a few steps;
+where conftest.py's `runs` puts their exports, and what the tests compare them with."""
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
+import shutil
+import tomllib
 from pathlib import Path
 
 import torch
 
-from flame.config import config_from_dict
+from flame.config import config_from_dict, to_toml
 from flame.data.tokenizer import EMBEDDED_DIR
+from flame.export.__main__ import main as export_main
+from flame.weights import CONFIG_FILE
+from flame.weights.fla_names import fla_group_norm_eps
 
 VOCAB = 256
 FAMILIES = ("rwkv6", "rwkv7", "gsa")
@@ -19,6 +26,9 @@ MODEL = {
     "gsa": {"num_heads": 2, "num_slots": 16},
 }
 SEQ, BATCH, STEPS = 32, 2, 3
+FORMATS = {"rwkv6": ("hf", "fla", "rwkv"), "rwkv7": ("hf", "fla", "rwkv"), "gsa": ("hf", "fla")}
+FLA_EPS = {family: fla_group_norm_eps(family, MODEL[family]["head_dim"], 1e-5) for family in ("rwkv6", "rwkv7")}
+"""The GroupNorm eps of fla's RWKV models at the test's head size: an fla export needs it."""
 
 
 def make_tokenizer(path: Path) -> Path:
@@ -70,3 +80,53 @@ def train_run(family: str, dump, tokenizer: Path, **sections):
     trainer = Trainer(run_config(family, dump, tokenizer, **sections), dataloader=batches())
     trainer.train()
     return trainer
+
+
+def with_model_fields(dump: Path, to: Path, **fields) -> Path:
+    """A copy `to` of the run folder `dump` whose config.toml changes these `model` fields (the
+    same weights): a model that computes with another eps, for the formats that need it."""
+    shutil.copytree(dump, to)
+    data = tomllib.loads((to / CONFIG_FILE).read_text())
+    data["model"].update(fields)
+    (to / CONFIG_FILE).write_text(to_toml(config_from_dict(data)))
+    return to
+
+
+def out_path(root: Path, family: str, fmt: str) -> Path:
+    return root / "exports" / (f"{family}.pth" if fmt == "rwkv" else f"{family}-{fmt}")
+
+
+def export(checkpoint, out, *args) -> int:
+    return export_main(["--checkpoint", str(checkpoint), "--out", str(out), *args])
+
+
+def reference(runs, family, fmt="hf"):
+    """The trained model, in eval mode; for an RWKV family's fla export, a copy that computes with
+    fla's GroupNorm eps, as that export does."""
+    model = runs[family].model
+    model.eval()
+    if fmt == "fla" and family in FLA_EPS:
+        model = copy.deepcopy(model)
+        for layer in model.layers:
+            layer.attn.ln_x.eps = FLA_EPS[family]
+    return model
+
+
+def sample_ids(rows=2, length=24, seed=5):
+    return torch.randint(0, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_weights(expected: dict, actual: dict, label: str) -> None:
+    assert expected.keys() == actual.keys(), f"{label}: names differ: {set(expected) ^ set(actual)}"
+    for name, value in expected.items():
+        assert actual[name].dtype == value.dtype and torch.equal(actual[name], value), f"{label}: {name}"
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
+
+
+def run_export(capsys, *args) -> tuple[int, str]:
+    code = export(*args)
+    err = capsys.readouterr().err.strip()
+    return code, err

@@ -85,7 +85,7 @@ def test_command_line_errors_are_one_line(argv, message, capsys):
 
 def test_command_line_evaluates_a_trained_checkpoint(tmp_path, capsys):
     pytest.importorskip("flame.export")
-    from flame.export.checkpoint_reader import load_model
+    from flame.weights import load_model
     from flame.train.trainer import Trainer
     from tests.train.helpers import tiny_config
 

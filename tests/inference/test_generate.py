@@ -158,7 +158,7 @@ def test_command_line_generates_from_a_trained_checkpoint(tmp_path, capsys):
                  "--max-new-tokens", "6", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
 
-    from flame.export.checkpoint_reader import load_model
+    from flame.weights import load_model
     model = load_model(str(tmp_path))[0].float().eval()
     tokenizer = load_tokenizer("")
     ids = tokenizer.encode("To be, or not")

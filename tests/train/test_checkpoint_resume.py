@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from flame.train.checkpoint import CheckpointError
 from flame.train.trainer import Trainer
+from flame.weights import WeightsError
 from tests.train.helpers import params, tiny_config
 
 
@@ -73,20 +73,20 @@ def test_corrupt_checkpoint_gives_a_clear_error(straight_and_resumed, tmp_path):
     dump = copy_of_straight_run(straight_and_resumed, tmp_path / "corrupt")
     shard = next((dump / "checkpoint" / "step-8").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])  # truncated
-    with pytest.raises(CheckpointError, match=r"step-8 could not be loaded, it is corrupt"):
+    with pytest.raises(WeightsError, match=r"step-8 could not be loaded, it is corrupt"):
         Trainer(run_config(dump))
 
 
 def test_checkpoint_without_metadata_gives_a_clear_error(straight_and_resumed, tmp_path):
     dump = copy_of_straight_run(straight_and_resumed, tmp_path / "partial")
     (dump / "checkpoint" / "step-8" / ".metadata").unlink()
-    with pytest.raises(CheckpointError, match=r"step-8 is incomplete: DCP metadata"):
+    with pytest.raises(WeightsError, match=r"step-8 is incomplete: its DCP metadata"):
         Trainer(run_config(dump))
 
 
 def test_missing_load_step_is_named(straight_and_resumed, tmp_path):
     dump = copy_of_straight_run(straight_and_resumed, tmp_path / "copy")
-    with pytest.raises(CheckpointError, match=r"load_step=6: no complete checkpoint.*\[4, 8\]"):
+    with pytest.raises(WeightsError, match=r"load_step=6: no complete checkpoint.*\[4, 8\]"):
         Trainer(run_config(dump, load_step=6))
 
 

@@ -56,7 +56,7 @@ def test_bad_checkpoint_and_bad_config_exit_with_a_message(tmp_path, capsys):
             "--model.num_layers", "1", "--model.head_dim", "16", "--training.device", "cpu"]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "CheckpointError" in err and "step-3 is incomplete" in err
+    assert "WeightsError" in err and "step-3 is incomplete" in err
 
 
 def test_vocab_mismatch_and_missing_tokenizer_exit_with_a_message(tmp_path, capsys):

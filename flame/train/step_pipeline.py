@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flame.ops.checks import set_value_checks, value_checks_enabled
 from flame.train.accumulation import GradientAccumulator
 from flame.train.gradients import GradNorms, clip_grad_norm
 from flame.train.loss import count_valid_tokens
@@ -79,8 +80,6 @@ class LaunchedStep:
 def op_value_checks_off():
     """Switch off the ops' value checks (a device sync each, and an exception on a NaN decay)
     while training: the step's own finite check handles non-finite values."""
-    from flame.ops.checks import set_value_checks, value_checks_enabled
-
     previous = value_checks_enabled()
     set_value_checks(False)
     try:

@@ -50,6 +50,7 @@ from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.profiling import StepProfiler
 from flame.train.run_lock import RunLock, lock_dump_folder
 from flame.train.step_pipeline import LaunchedStep, StepPipeline, StepResult, op_value_checks_off
+from flame.weights import CONFIG_FILE, is_foreign_weights
 
 logger = logging.getLogger("flame.train")
 
@@ -123,7 +124,7 @@ class Trainer(Stateful):
         lock_dump_folder(self.run_lock, self.parallel)
         if self.rank == 0:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
-            (self.dump_folder / "config.toml").write_text(to_toml(cfg))
+            (self.dump_folder / CONFIG_FILE).write_text(to_toml(cfg))
         logger.info("job %s: dump folder %s, %d process(es) on %s", cfg.job.name,
                     self.dump_folder, self.parallel.world_size, self.device)
         logger.info("data parallel: %s", self.parallel.data_parallel)
@@ -494,8 +495,6 @@ class Trainer(Stateful):
         if step is not None:
             self.load_full_checkpoint(self.checkpointer.step_dir(step))
         elif ckpt.initial_load_path:
-            from flame.export.formats import is_foreign_weights
-
             if is_foreign_weights(ckpt.initial_load_path):
                 if not ckpt.initial_load_model_only:
                     raise CheckpointError(

@@ -1,5 +1,5 @@
 """RWKV6 ("Finch"): data-dependent token shift, LoRA decay, bonus, receptance-gated channel mix
-(kernels.md 4.1, official x060).
+(docs/kernels.md#rwkv6-layer, official x060).
 
 Layer equations (x: the normed block input, delta = token_shift(x) - x):
     xi = tanh((x + delta * mu_x) @ mix_w1)             [5 * mix_rank]
@@ -69,7 +69,7 @@ class RWKV6Attention(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Official x060 init (kernels.md 4.1 item 6), plus the official GroupNorm weight
+        """Official x060 init (docs/initialization.md), plus the official GroupNorm weight
         ((l+1)/L)^0.7 of RWKV-LM's generate_init_weight."""
         C = self.time_decay.numel()
         r0, r1 = init.layer_ratios(self.layer_id, self.num_layers)

@@ -1,4 +1,5 @@
-"""RWKV7 ("Goose"): time mix with the DPLR delta rule, squared-ReLU channel mix (kernels.md 4.2).
+"""RWKV7 ("Goose"): time mix with the DPLR delta rule, squared-ReLU channel mix
+(docs/kernels.md#rwkv7-layer).
 
 Layer equations (x: the normed block input, delta = token_shift(x) - x):
     x_* = x + delta * mu_*                       * in r, w, k, v, a, g (static lerps)
@@ -69,7 +70,7 @@ class RWKV7Attention(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Official RWKV7 init (kernels.md 4.2 item 8), every output projection zero."""
+        """Official RWKV7 init (docs/initialization.md), every output projection zero."""
         C = self.w0.numel()
         r0, r1 = init.layer_ratios(self.layer_id, self.num_layers)
         ramp = init.channel_ramps(C, self.head_dim)

@@ -1,7 +1,7 @@
 """GSA Triton kernels (chunked and fused recurrent) against the fp64 step-by-step oracle naive_gsa.
 
-CPU runs use the Triton interpreter (set by conftest); the hazards are those of kernels.md
-section 7 that apply to GSA. GPU-only tests (bf16, T = 4096) are marked `gpu`.
+CPU runs use the Triton interpreter (set by conftest); the hazards are those of
+docs/kernels.md#hazard-tests that apply to GSA. GPU-only tests (bf16, T = 4096) are marked `gpu`.
 """
 
 import pytest
@@ -50,7 +50,8 @@ def check_against_naive(op, inputs, scale=None, cu_seqlens=None, with_dht=True, 
 
 
 def _atol(name, ref_inputs, rgrads, dtype):
-    """Absolute floor of the comparison. dg comes from identity I2 (kernels.md 0.3), a reverse sum of
+    """Absolute floor of the comparison. dg comes from identity I2
+    (docs/kernels.md#gate-gradients-by-reverse-cumsum-i2), a reverse sum of
     the differences z dz + p dp - s ds whose terms cancel exactly when every gate underflows (the
     true dg is then 0 in fp64), so its fp32 rounding floor is relative to the size of the terms:
     max|s * ds|, itself checked against the oracle."""
@@ -90,7 +91,8 @@ def test_extreme_log_decays(op, decay, dtype):
 
 
 def test_known_failure_2_extreme_log_decay(op):
-    """known-failures.md 2: forget logits of -60 and below must give finite, fp64-matching outputs
+    """docs/known-failures.md#nan-gradients-from-large-log-decays: forget logits of -60 and below must
+    give finite, fp64-matching outputs
     and gradients in fp32 and bf16 (the exclusive-reference exp(+|g|) overflow)."""
     for dtype in (torch.float32, torch.bfloat16):
         inputs = gsa_inputs(T=80, decay=-60.0, dtype=dtype)
@@ -264,7 +266,8 @@ def test_recompute_levels_agree():
 
 
 def test_known_failure_5_paths_agree():
-    """known-failures.md 5: chunked and recurrent kernels agree with each other (and each with fp64,
+    """docs/known-failures.md#chunked-and-recurrent-kernels-disagree: chunked and recurrent kernels agree
+    with each other (and each with fp64,
     above), outputs, final states and every gradient including the states'; inputs untouched."""
     inputs = gsa_inputs(T=70, HQ=2, K=32, V=48, M=32, decay="strong")
     before = {n: t.detach().clone() for n, t in grad_leaves(inputs).items()}
@@ -286,7 +289,7 @@ def test_known_failure_5_paths_agree():
 @pytest.mark.parametrize("name", list(OPS))
 def test_gpu_bf16_long(name, decay):
     """Hazard 8 on the GPU: bf16 inputs at T = 4096 with strong and weak gates, fp32 internals,
-    against naive_gsa in float64 on the same values (ratio 1e-2, kernels.md section 7)."""
+    against naive_gsa in float64 on the same values (ratio 1e-2, docs/kernels.md#test-metric)."""
     check_against_naive(OPS[name], gsa_inputs(B=1, T=4096, H=2, K=64, V=128, M=64, dtype=torch.bfloat16,
                                               decay=decay), ratio=1e-2)
 

@@ -1,9 +1,9 @@
 """RWKV7 Triton kernels (chunked DPLR and fused recurrent) against the fp64 step-by-step naive_rwkv7.
 
 CPU runs use the Triton interpreter (set by conftest), with small shapes. The hazards are those of
-kernels.md section 7 that apply to RWKV7 (2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 16, 17), plus the
-named regressions of known-failures.md 3 and 5. GPU-only tests (bf16, T = 4096, realistic sizes)
-are marked `gpu`.
+docs/kernels.md#hazard-tests that apply to RWKV7, plus the named regressions of docs/known-failures.md
+(#all-nan-rwkv7-outputs, #chunked-and-recurrent-kernels-disagree). GPU-only tests (bf16, T = 4096,
+realistic sizes) are marked `gpu`.
 """
 
 import math
@@ -426,7 +426,8 @@ def test_rejects_float64():
 # ------------------------------------------------------------------------------------ known failures
 
 def test_failure3_rwkv7_nan_outputs_rejected_inputs_and_finite_bf16():
-    """known-failures.md 3 (all-NaN RWKV7 outputs in bf16): the op rejects a positive log-decay and a
+    """docs/known-failures.md#all-nan-rwkv7-outputs (all-NaN RWKV7 outputs in bf16): the op rejects a
+    positive log-decay and a
     head-first layout with a clear error, and layer-like bf16 inputs give finite outputs and gradients
     that match fp64, in both Triton ops."""
     inputs = rwkv7_inputs(T=40, H=2, dtype=torch.bfloat16)
@@ -442,7 +443,8 @@ def test_failure3_rwkv7_nan_outputs_rejected_inputs_and_finite_bf16():
 
 
 def test_failure5_inputs_not_modified_and_chunk_agrees_with_recurrent():
-    """known-failures.md 5 (chunked and recurrent disagreeing because one path modified w in place):
+    """docs/known-failures.md#chunked-and-recurrent-kernels-disagree (chunked and recurrent disagreeing
+    because one path modified w in place):
     no kernel modifies its inputs in the forward or the backward, and chunk and recurrent agree with
     each other and with fp64, state gradients included."""
     inputs = rwkv7_inputs(T=70, H=2)

@@ -1,4 +1,5 @@
-"""Known failure 4 (shared/spec/known-failures.md): abnormal loss with gradient accumulation.
+"""Abnormal loss with gradient accumulation, a known failure
+(docs/known-failures.md#loss-scaled-by-gradient-accumulation).
 
 The loss and gradients of one optimizer step must be identical for any split of the same global
 batch into micro-batches, accumulation steps (and ranks: see test_distributed.py), including

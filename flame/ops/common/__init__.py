@@ -40,7 +40,7 @@ per-chunk states [num_chunks, H, K, V] fp32. dg is the gradient of the raw log-g
 units), by the reverse-cumsum identity. du is [H, K] fp32. o, dq, dk, dv, dg have the dtypes of v,
 q, k, v, g.
 
-Stability (kernels.md 0.4, 1.3): the cumsums are chunk-local fp32; every exponent is <= 0, with
+Stability (docs/kernels.md#stable-decay-placement): the cumsums are chunk-local fp32; every exponent is <= 0, with
 the intra-chunk matrix factored around a reference row that lies between the query and key rows
 (the row before the query sub-chunk; for the exclusive query this is the cumsum one position before
 the block); rows beyond a sequence end are selected out of every exponent (exp2(-inf) = 0). No

@@ -9,7 +9,7 @@ The dv kernel writes dA (scaled, masked to the intra triangle, fp32 [B, T, H, BT
 a bonus u, the diagonal scale (do_τ . v_τ) [B, T, H]; the dq/dk kernel reads dA back, whole for
 the off-diagonal sub-block products and by single entries (gathered loads) for the exact diagonal
 sub-blocks. The intra parts use the same sub-chunk reference points as the forward (every
-exponent <= 0). The gate gradient follows identity I2 (kernels.md 0.3, 1.4): with P = q * dq' and
+exponent <= 0). The gate gradient follows identity I2 (docs/kernels.md#rwkv6-chunked-backward): with P = q * dq' and
 D = k * dk' (dq', dk' without the bonus terms),
     dg_m = Σ_{τ >= m} (P - D)_τ  [- P_m if EXCLUSIVE]  +  exp(Γ_L) * rowsum(S_in * dS_out) + Σ_j k_j * dk^state_j
 No autograd through exp, no per-pair gradient stored, no atomics: the bonus gradient is written

@@ -1,8 +1,8 @@
 """The passes over chunks: the per-chunk states of the forward and the per-chunk state gradients.
 
-The forward state recurrence over chunks (kernels.md 1.2 stage 2, identity I1) is
+The forward state recurrence over chunks (docs/kernels.md#chunk-decomposition-i1) is
     S_in(c+1) = exp(Γ_L(c)) * S_in(c) + Δ(c),    Δ(c) = Σ_j (k_j * exp(Γ_L - Γ_j)) v_j^T
-and the reverse state-gradient recurrence (1.4 step 2) is
+and the reverse state-gradient recurrence (docs/kernels.md#rwkv6-chunked-backward, step 2) is
     dS_out(c-1) = exp(Γ_L(c)) * dS_out(c) + Δ'(c),    Δ'(c) = scale Σ_τ (q_τ * exp(Γq_τ)) do_τ^T.
 Two ways to run them, with the same products and the same fp32 states:
 - the walk (`_walk_kernel`): one program per (sequence, head, K-block x V-block) walks the chunks of

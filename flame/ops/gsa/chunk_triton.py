@@ -1,4 +1,5 @@
-"""Triton chunked GSA (kernels.md 3.2, 3.3): two gated-linear-attention passes around an fp32 softmax.
+"""Triton chunked GSA: two gated-linear-attention passes around an fp32 softmax
+(docs/kernels.md#gsa-chunked-forward, #gsa-chunked-backward).
 
 Both passes share the gate g on the slot axis M and its fp32 chunk-local cumsum (flame.ops.common).
 

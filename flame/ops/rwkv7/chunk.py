@@ -10,7 +10,7 @@ from .chunk_torch import chunk_rwkv7_torch
 
 def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
                 backend="auto", gate_lower_bound=None, cache_intermediates=False, recompute_states=False):
-    """RWKV7 attention (the DPLR delta rule, kernels.md 2.1) in chunked form.
+    """RWKV7 attention (the DPLR delta rule, docs/kernels.md#rwkv7-recurrence) in chunked form.
 
     Args:
         r, w, k, a, b: [B, T, H, K] token-major (not head-first [B, H, T, K]); w is the log-decay

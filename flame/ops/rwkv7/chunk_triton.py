@@ -1,4 +1,5 @@
-"""Triton chunked RWKV7 (DPLR delta rule, UT/WY form), forward and backward (kernels.md 2.2-2.4).
+"""Triton chunked RWKV7 (DPLR delta rule, UT/WY form), forward and backward
+(docs/kernels.md#rwkv7-chunked-form to #rwkv7-chunked-backward).
 
 Per chunk of BT tokens, with Γ the fp32 chunk-local inclusive cumsum of w (scaled by log2 e, so
 every factor is an exp2 of a non-positive number) and Γ̄ the exclusive one:
@@ -25,7 +26,8 @@ The sequential scans then do two products per chunk and the output comes out of 
 The per-chunk backward (`_chunk_bwd`, one program per chunk and head in each of two kernels) takes
 the chunk's S^in, dS^out, dO and V, forms dQ' = dO S^T, dE = dO V^T, dA = dS S^T, dC = V dS^T
 (reductions over V) and carries them back through the four definitions to M^qk, M^qb, W, G, B̃
-(`_bwd_maps`); then through the WY representation (dM^ab = strict(Tm^T dTm Tm^T), kernels.md 2.4) to
+(`_bwd_maps`); then through the WY representation (dM^ab = strict(Tm^T dTm Tm^T),
+docs/kernels.md#rwkv7-chunked-backward) to
 da and through the intra products to dk, db and dw by the reverse cumsum of identity I2
 (`_bwd_intra`). The two pass fp32 [BT, K] / [BT, BT] tiles through global memory, so that neither
 holds the whole chain: with 3xTF32 products at 4 warps, a program that held it spilled 6-14 KB of
@@ -36,7 +38,7 @@ default the backward runs `_prepare` again, from the WY inverse Tm that the forw
 cache_intermediates the forward keeps all its intermediates instead (faster, more memory). Head dims
 K > 128 do not fit one program's tiles and run on the fused recurrent kernels instead.
 
-Intra regimes (kernels.md 2.3):
+Intra regimes (docs/kernels.md#rwkv7-intra-chunk-regimes):
 - exact per-pair exponents (any gate): a loop over the key column with exponents Γ_τ - Γ_j <= 0;
   the default, with BT = 16;
 - centred tensor-core factorisation around the middle row m: taken only when the caller gives a
@@ -65,7 +67,8 @@ bf16 inputs:
 Plain TF32 in the state recurrence, or in an inverse by nilpotent products, overflows a trained
 head (tests/ops/test_rwkv7_bf16_trained_head.py); bf16 in W, G or the backward's products costs up
 to 4x the error there (interpreter replica of tests/ops/test_rwkv7_bf16_trained_head.py). fp16 inputs keep fp32
-operands (the 2.3 fp16 caveat; bf16x3 has fp32's exponent range). Under the interpreter, whose bf16
+operands (the fp16 caveat of docs/kernels.md#rwkv7-intra-chunk-regimes; bf16x3 has fp32's exponent
+range). Under the interpreter, whose bf16
 tl.dot is wrong and whose bf16 cast truncates, LOWP = 2 reproduces the same round-to-nearest operand
 rounding around fp32 products, TF32 = 2 truncates the operands of the one-pass TF32 products as the
 tensor cores read them, and `mm_prec` emulates bf16x3 with the same operand splits.

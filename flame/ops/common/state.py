@@ -32,10 +32,9 @@ from .layout import ChunkLayout, chunk_span
 
 LOCAL_WARPS = 4   # launch settings (module constants so that a benchmark can sweep them)
 SCAN_BLOCK = 512  # state elements per scan program
-# The walk: 4 warps, 3 pipeline stages (the next chunks' loads in flight), tiles of up to 64 x 64, and
-# taken from 128 programs up. fwd + bwd state passes at B8 T2048 bf16 on the H100: GSA (H4, K 64,
-# V 256; 128 programs) 0.104 ms walking, 0.232 split; RWKV6 (H16, K = V = 64; 128 programs) 0.151
-# and 0.232. At B1 T16384 (16 programs, 256-step chains) the split pass is faster: 0.27 against 0.36.
+# The walk: 4 warps, 3 pipeline stages (the next chunks' loads in flight), tiles of up to 64 x 64; taken
+# from 128 programs up, where it beat the split pass on the shapes tried (with fewer, longer chains the
+# split pass wins; see bench/RESULTS.md, whole training step, for the state passes' share of a step)
 WALK_WARPS = 4
 WALK_STAGES = 3
 WALK_BLOCK = 64

@@ -230,9 +230,9 @@ _VALUE_BLOCK = 128
 _SLOT_FP32_MAX_M = 32
 _SLOT_WARPS = 4
 _SLOT_STAGES = 1
-# the common core's intra (A) and dq/dk/dg kernels run wider for GSA's value pass (slots -> values,
-# V = 256 at 340M): fwd+bwd 2.25 ms against 2.95 ms at the core's default 4 warps (H100, B8 T2048 H4
-# K=V=256 M64 bf16); the core's other kernels keep their defaults.
+# 8 warps for the common core's intra (A) and dq/dk/dg kernels in GSA's wide value pass (slots ->
+# values): faster than the core's default 4 at the 340M shapes (bench/RESULTS.md, kernels: chunk_gsa);
+# the core's other kernels keep their defaults.
 _CORE_WARPS = 8
 
 

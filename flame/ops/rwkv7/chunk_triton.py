@@ -12,8 +12,8 @@ every factor is an exp2 of a non-positive number) and Γ̄ the exclusive one:
 A chunk is therefore one linear map of (S^in, V) with four per-chunk matrices that do not depend on
 the state, which `_prepare` computes in parallel over all chunks, in one kernel (`_prepare_kernel`:
 M^ak, M^ab, M^qk, M^qb, Tm, W, G, then the four maps; W and G stay in registers unless the backward
-needs them, which makes the forward 9% faster than two kernels passing them through global memory;
-launched once per intra regime, see below):
+needs them, which is faster than two kernels passing them through global memory; launched once per
+intra regime, see below):
 
     O     = Q' S^in + E V          Q' = Q̂ + M^qb W            [BT, K]
     S^out = A S^in + C^T V         E  = M^qk + M^qb G          [BT, BT]
@@ -30,10 +30,9 @@ the chunk's S^in, dS^out, dO and V, forms dQ' = dO S^T, dE = dO V^T, dA = dS S^T
 docs/kernels.md#rwkv7-chunked-backward) to
 da and through the intra products to dk, db and dw by the reverse cumsum of identity I2
 (`_bwd_intra`). The two pass fp32 [BT, K] / [BT, BT] tiles through global memory, so that neither
-holds the whole chain: with 3xTF32 products at 4 warps, a program that held it spilled 6-14 KB of
-registers per thread. Four kernels (output side, state side, WY, column side) would move more
-tiles through memory: the two are 0.16 ms faster per fwd+bwd than four at B8 T2048 H16 K64 bf16 on
-the H100. No atomics anywhere: the backward is deterministic. By
+holds the whole chain (a program that held it spilled kilobytes of registers per thread); four
+kernels (output side, state side, WY, column side) would move more tiles through memory and were
+slower. No atomics anywhere: the backward is deterministic. By
 default the backward runs `_prepare` again, from the WY inverse Tm that the forward keeps; with
 cache_intermediates the forward keeps all its intermediates instead (faster, more memory). Head dims
 K > 128 do not fit one program's tiles and run on the fused recurrent kernels instead.
@@ -43,14 +42,13 @@ Intra regimes (docs/kernels.md#rwkv7-intra-chunk-regimes):
   the default, with BT = 16;
 - centred tensor-core factorisation around the middle row m: taken only when the caller gives a
   gate_lower_bound that passes the fp32 headroom rule |lb| (BT/2 + 1) log2 e <= 124 (BT <= 32 in
-  any case: [32, 64] tiles cost 16 registers per thread at 4 warps, [64, 64] ones 32), and then
+  any case: [64, K] tiles cost twice the registers of [32, K] ones), and then
   only for chunks whose gates really are >= lb, checked per chunk by `_prepare_kernel` on the chunk's
   own gates, with no host sync, and recorded (int8 per chunk and head) for the backward, so both
   passes take the same regime; the chunks that break the promise take the exact per-pair path at the
   same chunk size. Every per-chunk kernel that depends on the regime launches twice, once per regime,
-  each launch skipping the chunks of the other (`_regime_selected`: one byte per program, where reading
-  the chunk's gates cost ~35 us per launch): a program holding both paths spills more (the backward's
-  output-side and WY kernels run 15-50% slower that way on an H100). `_prepare`'s first
+  each launch skipping the chunks of the other (`_regime_selected`: one byte per program, cheaper than
+  reading the chunk's gates): a program holding both paths spills more and runs slower. `_prepare`'s first
   launch decides and records the regime. The scans do not depend on the regime.
 
 Precision: fp32 decay cumsums, states, state gradients and intermediates everywhere. Products with
@@ -319,9 +317,8 @@ def _gates_keep_bound(b_w, m_rk, lower_bound):
 
 @triton.jit
 def _regime_selected(regime, i_c, i_h, H, MODE: tl.constexpr):
-    """For the kernels launched once per regime (holding both paths in one program made the backward's
-    output-side and WY kernels 15-50% slower on an H100, from register spills), whether this
-    launch takes chunk i_c of head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk
+    """For the kernels launched once per regime (a program holding both paths spills registers and is
+    slower), whether this launch takes chunk i_c of head i_h, by the regime `_prepare_kernel` recorded. MODE 0: every chunk
     (exact regime); 1: the centred chunks; 2: the chunks that broke the bound (exact per-pair fallback at
     the centred chunk size)."""
     if MODE == 0:  # (no regime record then: the other branch must not be compiled)
@@ -339,8 +336,8 @@ def _fallback_heads(regime, i_c, H, HP: tl.constexpr):
     """How many heads a program of an exact-fallback launch (MODE 2) visits for chunk i_c: H when the
     chunk's regime row (H bytes, one vector load) has an exact head, else 0. Those launches run one
     program per chunk that visits its heads itself: a (chunks, heads) grid of programs that mostly
-    return at once cost ~11 us per launch, 0.054 ms per fwd+bwd over the five such launches (H100, B8
-    T2048 H16). The visiting program serializes the exact chunks of up to H heads,
+    return at once costs launch time in each of the five such launches. The visiting program
+    serializes the exact chunks of up to H heads,
     which costs little where the grid has a few waves of chunks already. The centred launches keep one
     program per chunk and head, without a loop (a loop around their body made ptxas spill more)."""
     o_h = tl.arange(0, HP)
@@ -357,7 +354,7 @@ def _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT: tl.constexpr, BK: tl
     o_k = tl.arange(0, BK)
     m_r = (rows < eos - t0)[:, None]
     m_rk = m_r & (o_k < K)[None, :]
-    # int32 offsets within the chunk (a [BT, BK] int64 tile costs 64 registers per thread at 4 warps),
+    # int32 offsets within the chunk (an int64 [BT, BK] tile costs twice the registers),
     # int64 scalar bases of the chunk's first row
     p_k = (rows * H * K)[:, None] + o_k[None, :]
     p_t = (rows * H * BT)[:, None] + rows[None, :]
@@ -380,8 +377,7 @@ def _prepare_kernel(
     MODE 0: every chunk, exact regime (no usable bound). With a bound, two launches: MODE 1 decides each
     chunk's regime from its own gates, records it in `regime` and takes the centred chunks; MODE 2 then
     takes the chunks that broke the bound (exact per-pair path at the same chunk size). One program
-    holding both paths spilled 224 bytes per thread at 255 registers (ptxas, sm_90), the centred path
-    alone none."""
+    holding both paths spills registers, the centred path alone does not."""
     i_c = tl.program_id(0)
     if MODE == 1:
         i_h = tl.program_id(1)
@@ -423,9 +419,8 @@ def _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As,
         b_Mak, b_Mab = _pairwise_a_side(b_a, _load_rows(k + bk, p_k, m_rk), _load_rows(b + bk, p_k, m_rk), Gi, Ge,
                                         BT, PREC)
     # the q side before the inverse, which it does not depend on: its products then fill the latency of
-    # the inverse's serial chain (the forward is 7% faster for it at B8 T2048 H16 K64 bf16, H100).
-    # The centred factors and the k, b tiles are formed again from the loads: one branch holding them
-    # for both sides spilled 88 B per thread instead of 24 (ptxas, sm_90, forward)
+    # the inverse's serial chain. The centred factors and the k, b tiles are formed again from the
+    # loads: one branch holding them for both sides spills more
     b_q = _load_rows(q + bk, p_k, m_rk) * scale
     if CENTRED:
         e_q, e_k, e_a = _centre_factors(Gi, Ge, BT)
@@ -659,9 +654,8 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
     `_bwd_intra`), dM^qb = incl(dQ' W^T + dE G^T), dq (dQ̂ e^Γ + the row side of dM^qk = incl(dE) and
     dM^qb) and its I2 term q dq. Stores dE, dM^qb and q dq (fp32) for `_bwd_intra`.
     One kernel for both sides keeps dW and dG out of global memory between them and reads the chunk's
-    gates, keys, W and G once; the second pass over S^in and V mostly hits L2. It takes 0.74-0.76 ms
-    per fwd+bwd where one kernel per side takes 0.82 (H100, B8 T2048 H16 K64 bf16). One pass
-    accumulating all four reductions at once holds more registers and is slower (0.80)."""
+    gates, keys, W and G once; the second pass over S^in and V mostly hits L2. It is faster than one
+    kernel per side, and than one pass accumulating all four reductions at once (more registers)."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -710,8 +704,8 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
                     + mm_prec(dE, tl.trans(_load_rows(Gm + bT, p_t, m_r)), PREC), 0.0)
     tl.store(dMqbb + bT + p_t, dMqb, mask=m_r)
     dMqk = tl.where(incl, dE, 0.0)
-    # the gates loaded again rather than held over the second V pass (ptxas, sm_90: the exact-fallback
-    # launch spilled 640 B per thread holding them, 424 B so)
+    # the gates loaded again rather than held over the second V pass (the exact-fallback launch spills
+    # less so)
     Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
     i_dq = _rows_bwd(dMqk, dMqb, k + bk, b + bk, p_k, m_rk, Gi, Ge, False, MODE == 1, BT, BK, PREC)
     b_dq = dQ * tl.exp2(Gi) + i_dq
@@ -753,8 +747,7 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     columns of dM^qb and dM^ab; then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,
     γ = q dq + a da - k dk - b db.
     dM^ak, dM^ab and a da stay in registers between the two, and the gates, a, k and b are read by one
-    program: 0.67 ms per fwd+bwd where one kernel per part takes 0.75 (H100, B8 T2048 H16 K64
-    bf16), although ptxas spills 208 B per thread here (a kernel of the WY part alone spills 72 B)."""
+    program: faster than one kernel per part, although this one spills more registers."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = _chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -776,7 +769,7 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     b_da = dAh * e_Ge + i_da
     tl.store(da + bk + p_k, _cast(b_da, da, LOWP), mask=m_rk)
     g_a = b_a * b_da
-    # column side (the gates and a loaded again: cheaper than holding them, 32 registers)
+    # column side (the gates and a loaded again: cheaper than holding them in registers)
     Gi, Ge, g_L = _gate_cumsums(w + bk, p_k, m_rk)
     b_a = _load_rows(a + bk, p_k, m_rk)
     dMqk = tl.where(rows[:, None] >= rows[None, :], _load_rows(dEb + bT, p_t, m_r), 0.0)
@@ -820,10 +813,8 @@ def _chunk_layout(B, T, BT, cu_seqlens, device):
 
 
 def _scan_block_v(N, H, V):
-    """V-block of the scans: the widest (<= 64) that still gives ~256 programs, at least 16. At B8 T2048
-    H16 K = V = 64 bf16 on the H100 that is 32 (256 programs): 0.21 + 0.23 ms for the two scans per
-    fwd+bwd at 4 warps (WARPS_SCAN); 64 takes 0.22 + 0.24, 16 0.32 + 0.38, and 2 or 8 warps are slower
-    at every width. The scans are latency-bound: bf16x3 instead of 3xTF32 in A S changes nothing."""
+    """V-block of the scans: the widest (<= 64) that still gives ~256 programs, at least 16 (the fastest
+    of the widths and warp counts tried; the scans are latency-bound)."""
     bv = min(max(triton.next_power_of_2(V), 16), 64)
     while bv > 16 and N * H * triton.cdiv(V, bv) < 256:
         bv //= 2
@@ -861,10 +852,7 @@ class _Plan:
         self.BK = max(triton.next_power_of_2(K), 16)
         bt_centred = centred_chunk_size(gate_lower_bound)
         if bt_centred is not None:
-            # C = 32 even where the headroom rule allows 64: the per-chunk kernels then hold [32, K] tiles
-            # (16 registers per thread at 4 warps and K = 64) and spill almost nothing, where C = 64
-            # spilled 2-5 KB per thread in each of them (ptxas, sm_90, 3xTF32)
-            bt_centred = min(bt_centred, 32)
+            bt_centred = min(bt_centred, 32)  # C = 64 spills kilobytes per thread in the per-chunk kernels
         self.centred = bt_centred is not None
         self.BT = bt_centred if self.centred else 16
         self.lower_bound = float(gate_lower_bound) if self.centred else 0.0
@@ -880,42 +868,27 @@ class _Plan:
         # the scans prefetch the next chunk's matrices (2 stages) where shared memory allows
         self.scan_stages = 2 if self.BK <= 64 else 1
         interp = _interpreting()
-        # the scans' state recurrence A S: fp32-accurate (3xTF32) for every input dtype. With plain TF32
-        # there a trained RWKV7-340M head (bf16, T = 2048, slow decays, aligned kappa) overflows to inf
-        # by chunk 29 on the H100 (tests/ops/test_rwkv7_bf16_trained_head.py)
+        # the state recurrence A S: 3xTF32 for every input dtype (plain TF32 overflows a trained head,
+        # tests/ops/test_rwkv7_bf16_trained_head.py)
         self.prec_state = "tf32x3"
-        # the per-chunk kernels' fp32-operand products: 3xTF32 for fp32 inputs; bf16x3 for 16-bit inputs
-        # (`mm_prec`: ~16 mantissa bits, 2^-16 per product, where one TF32 pass has 2^-11 and 3xTF32
-        # 2^-21; half the tensor-core work of 3xTF32 and half its operand registers): 13% less time per
-        # fwd+bwd than 3xTF32 (H100, B8 T2048 H16 K64 bf16), with the trained head's errors against fp64
-        # the same to two digits (o 2.64e-3, dw 2.9e-3)
+        # the per-chunk kernels' fp32-operand products: bf16x3 (half the work of 3xTF32, the trained head's
+        # errors unchanged) for 16-bit inputs, 3xTF32 for fp32
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
-        # register cap (ptxas maxnreg) of `_prepare` at head dims <= 64, where it runs at 2 programs per SM
-        # with 255 registers: 168 lets it run 3 per SM and spill a little, 0.79 ms per fwd+bwd instead of
-        # 0.85 on the H100 (255 in the forward's launches only: 0.04 ms slower). The backward's two
-        # kernels run uncapped: `_bwd_maps` takes 0.79 ms at 168 instead of 0.76 (ptxas: 232 B spilled
-        # instead of none), `_bwd_intra` already spills at 255
+        # `_prepare`'s register cap at head dims <= 64: 3 programs per SM instead of 2, faster despite a
+        # little spilling (the backward's kernels are faster uncapped)
         self.maxnreg = 168 if self.BK <= 64 else None
-        # `_bwd_maps` loops over V blocks twice: pipeline stages (prefetch the next block's S, dS, dO, V) at
-        # head dims <= 64: 3 stages 0.744 ms per fwd+bwd, 2 0.760, 1 0.881 (H100); 1 stage at
-        # larger head dims, whose tiles already fill shared memory
+        # `_bwd_maps`'s pipeline stages over its V blocks: 3 the fastest tried; 1 at larger head dims,
+        # whose tiles already fill shared memory
         self.stages_maps = 3 if self.BK <= 64 else 1
         # bf16 operands (fp32 accumulation) for the products outside the state recurrence, the a-side
         # intra products and the WY inverse and backward (`_dot`; emulated under the interpreter)
         self.lowp = (2 if interp else 1) if r.dtype == torch.bfloat16 else 0
         # Q', E, C (the scans' per-token operands) in bf16 for bf16 inputs; states, A and the backward's
-        # W, G, Tm, M^ak, M^qb stay fp32 (in bf16 those cost da and db 4x the error on the trained head)
+        # W, G, Tm, M^ak, M^qb stay fp32 (bf16 there multiplies da's and db's errors on the trained head)
         self.scan_dtype = _scan_dtype(r.dtype)
-        # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) in the state side's products and all four
-        # reductions over V of `_bwd_maps` (dQ' = dO S^T, dE = dO V^T, dA, dC) and in the column side's
-        # products of `_bwd_intra`, whose errors stay in the chunk's gradients and never enter a
-        # recurrence, and in the WY inverse, which a Newton step then brings back to 3xTF32 accuracy.
-        # Trained head, first 512 tokens, interpreter with TF32 operand truncation, against fp64, the
-        # other products in 3xTF32: dw 3.0e-3 without the pass, 3.8e-3 with it in the state side, 4.3e-3
-        # with it in the column side; dQ', dE and the rest unchanged. The same pass costs too much
-        # in the rest of the output side (dM^qb: dw 8.4e-3; dW, dG: db 3.5e-3), in the WY backward (dw
-        # 5.5e-3 to 2.4e-2 by product), and in `_prepare`: in Q', E, C (o 5.4e-3), in G, M^ak (o 1.1e-2)
-        # and in M^ab, W, which make the state map A (o 6.8e-3 at T = 2048).
+        # one TF32 pass (not 3) for bf16 inputs (`mm_tf32_if`) where its error stays in one chunk's
+        # gradients: `_bwd_maps`'s reductions over V and state side, `_bwd_intra`'s column side, and the WY
+        # inverse (then brought back by a Newton step); elsewhere it costs the trained head accuracy
         self.tf32 = self.lowp  # the same switch: bf16 inputs, 1 on a GPU, 2 emulated under the interpreter
 
     def grid(self, mode):
@@ -985,8 +958,8 @@ def _forward(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, gate_l
     plan = _Plan(r, v, cu_seqlens, gate_lower_bound)
     H, K, V = plan.H, plan.K, plan.V
     cache = need_grad and cache
-    # the backward needs Tm: the forward keeps it also when it recomputes the rest (128 bytes per token
-    # and head at C = 32; its inverse is the longest chain of the recomputation)
+    # the backward needs Tm: the forward keeps it also when it recomputes the rest (C fp32 per token and
+    # head; its inverse is the longest chain of the recomputation)
     pre = _prepare(plan, r, w, k, a, b, scale, store_bwd=cache, keep_tm=need_grad)
     hs = r.new_empty(plan.NT, H, K, V, dtype=torch.float32) if need_grad and keep_states else None
     ht = r.new_empty(plan.N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -1169,18 +1142,13 @@ def chunk_rwkv7_triton(r, w, k, v, a, b, scale=1.0, initial_state=None, output_f
     only if it passes the fp32 headroom rule, and each chunk re-checks it on its own gates before
     using it. cache_intermediates (default off): keep the forward's per-chunk intermediates for the
     backward instead of running `_prepare` again: per token and head 2 K + C bf16 (Q', C, E) and
-    K + 4 C fp32 (W, G, Tm, M^ak, M^qb), plus K*K fp32 (A) per chunk and head; at K = 64, C = 32
-    1600 bytes per token and head (0.84 GB per layer at B16 T2048 H16), held from the forward to the
-    backward: ~20 GB over rwkv7_340M's 24 layers at its batch of 16 without activation checkpointing,
-    which an 80 GB GPU does not have to spare. Off: the backward recomputes them (`_prepare_kernel` once
-    more) from the WY inverse Tm alone, which the forward keeps (C fp32 per token and head: 128 bytes at
-    C = 32; it saves 0.1 ms of recomputation): fwd+bwd 2.63-2.64 ms against 2.35-2.38 cached at B8
-    T2048 H16 K64 bf16 on the H100.
+    K + 4 C fp32 (W, G, Tm, M^ak, M^qb), plus K*K fp32 (A) per chunk and head, held from the forward to
+    the backward. Off: the backward recomputes them (`_prepare_kernel` once more) from the WY inverse Tm
+    alone, which the forward keeps (C fp32 per token and head; the inverse is the longest chain of the
+    recomputation). The cached backward is faster (bench/RESULTS.md, kernels: chunk_rwkv7_cached).
     recompute_states (default off): the forward does not keep the per-chunk states S^in (K*V fp32 per
-    chunk and head: 512 bytes per token and head at K = V = 64, C = 32, 3 GiB over rwkv7_340M's 24
-    layers at batch 8 x 2048); the backward runs the forward scan again for them, in the launch of its
-    own scan (`_scan_pair_kernel`): fwd+bwd 2.76 ms against 2.68 at B8 T2048 H16 K64 bf16 on the H100
-    (the two scans one after the other would add the forward scan's 0.21 ms).
+    chunk and head); the backward runs the forward scan again for them, in the launch of its own scan
+    (`_scan_pair_kernel`, so the two scans overlap instead of adding up).
     Returns (o [B,T,H,V] in the input dtype, final state [N,H,K,V] fp32 or None).
     """
     _check_kernel_dtype("chunk_rwkv7", r)

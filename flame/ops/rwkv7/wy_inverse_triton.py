@@ -53,8 +53,8 @@ def unit_lower_inverse(L, BT: tl.constexpr, TF32: tl.constexpr, PREC: tl.constex
     PREC product: R is of the size of T0's TF32 error, so its one-pass product T0 R adds only that
     error squared. At BT = 32: 12 passes of [BT, BT] products instead of 24. On the trained head's
     aligned chunks the result is within 7e-7 of fp64 with a 3xTF32 residual and 1.1e-5 with the bf16x3
-    one that 16-bit inputs use (tests/ops/test_rwkv7_triton.py); a 3xTF32 residual makes the WY part
-    6% slower on the H100 and leaves the trained head's outputs and gradients unchanged."""
+    one that 16-bit inputs use (tests/ops/test_rwkv7_triton.py); a 3xTF32 residual is slower and leaves
+    the trained head's outputs and gradients unchanged."""
     if TF32 == 0:
         return _block_doubling_inverse(L, BT, 0, PREC)
     rows = tl.arange(0, BT)[:, None]

@@ -14,7 +14,8 @@ import torch
 
 from flame.ops import checks
 from flame.ops.rwkv7.chunk import chunk_rwkv7
-from flame.ops.rwkv7.chunk_triton import centred_chunk_size, chunk_rwkv7_triton
+from flame.ops.rwkv7.chunk_plan import centred_chunk_size
+from flame.ops.rwkv7.chunk_triton import chunk_rwkv7_triton
 from flame.ops.rwkv7.fused_recurrent import fused_recurrent_rwkv7
 from flame.ops.rwkv7.fused_recurrent_triton import fused_recurrent_rwkv7_triton
 from flame.ops.rwkv7.naive import naive_rwkv7
@@ -362,7 +363,7 @@ def test_public_op_passes_recompute_states(monkeypatch):
     """chunk_rwkv7(backend="triton", recompute_states=True) reaches the kernels: the forward keeps no
     states and the backward launches the paired scans once; by default the backward scan runs alone.
     The PyTorch backend accepts and ignores the flag."""
-    from flame.ops.rwkv7 import chunk_triton
+    from flame.ops.rwkv7 import chunk_scan_triton
 
     launches = []
 
@@ -375,7 +376,7 @@ def test_public_op_passes_recompute_states(monkeypatch):
             return self.kernel[grid]
 
     for name in ("_scan_pair_kernel", "_scan_bwd_kernel"):
-        monkeypatch.setattr(chunk_triton, name, Counted(getattr(chunk_triton, name), name))
+        monkeypatch.setattr(chunk_scan_triton, name, Counted(getattr(chunk_scan_triton, name), name))
     inputs = rwkv7_inputs(T=40, H=2)
     leaves = list(grad_leaves(inputs).values())
     grads = {}
@@ -392,13 +393,13 @@ def test_public_op_passes_recompute_states(monkeypatch):
 
 def test_public_op_passes_cache_intermediates(monkeypatch):
     """chunk_rwkv7(backend="triton", cache_intermediates=True) reaches the kernels (the forward keeps its
-    intermediates, so the backward runs no `_prepare`; by default it recomputes them), and gives the
+    intermediates, so the backward runs no `prepare`; by default it recomputes them), and gives the
     default's gradients; the PyTorch backend accepts and ignores the flag."""
     from flame.ops.rwkv7 import chunk_triton
 
     prepares = []
-    original = chunk_triton._prepare
-    monkeypatch.setattr(chunk_triton, "_prepare", lambda *a, **kw: prepares.append(1) or original(*a, **kw))
+    original = chunk_triton.prepare
+    monkeypatch.setattr(chunk_triton, "prepare", lambda *a, **kw: prepares.append(1) or original(*a, **kw))
     inputs = rwkv7_inputs(T=40, H=2)
     kept, _ = chunk_rwkv7(**inputs, backend="triton", gate_lower_bound=LB, cache_intermediates=True)
     default, _ = chunk_rwkv7(**inputs, backend="triton", gate_lower_bound=LB)

@@ -158,11 +158,3 @@ def chunk_output(q, v, gc, h, A, layout: ChunkLayout, scale: float, exclusive: b
         H=H, K=K, V=V, BT=layout.chunk_size, BK=block_k, BV=block_v, EXCLUSIVE=exclusive, DT=dot_dtype,
         num_warps=OUTPUT_WARPS, num_stages=1)
     return o
-
-
-def chunk_output_fwd(q, k, v, gc, h, layout: ChunkLayout, scale: float, exclusive: bool, u, dot_dtype,
-                     block_k: int, block_v: int, sub_chunk: int = 16, intra_warps: int | None = None):
-    """o [B, T, H, V] in v's dtype from the per-chunk states h of `chunk_state_fwd` (A computed and dropped)."""
-    A, _ = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, dot_dtype, block_k, sub_chunk=sub_chunk,
-                           num_warps=intra_warps)
-    return chunk_output(q, v, gc, h, A, layout, scale, exclusive, dot_dtype, block_k, block_v)

@@ -293,28 +293,22 @@ def chunk_state_fwd(k, v, gc, layout: ChunkLayout, h0, output_final_state: bool,
     return chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
 
 
-def chunk_state_bwd(q, do, gc, layout: ChunkLayout, dht, scale: float, exclusive: bool, need_dh0: bool, dot_dtype):
-    """Per-chunk gradients of the leaving states dh [num_chunks, H, K, V] fp32, and dh0 (or None).
-
-    dS_in = exp(Γ_L) * dS_out + scale (q * exp(Γq))^T do, starting from dht (or 0) at the end.
-    """
-    if walks(layout, q.shape[2], q.shape[3], do.shape[3]):
-        _, _, dh, dh0 = chunk_states_walk(q, None, None, do, gc, layout, None, dht, scale, exclusive, dot_dtype,
-                                          fwd=False, bwd=True, need_dh0=need_dh0)
-        return dh, dh0
-    _, dh = chunk_local_states(q, None, None, do, gc, layout, scale, exclusive, dot_dtype, fwd=False, bwd=True)
-    return chunk_scan_states(dh, gc, layout, dht, need_dh0, reverse=True)
-
-
 def chunk_states_fwd_bwd(q, k, v, do, gc, layout: ChunkLayout, h0, dht, scale: float, exclusive: bool,
-                         need_dh0: bool, dot_dtype):
-    """The backward's two state passes together: (h, dh, dh0 or None), as `chunk_state_fwd` (without the
-    final state) and `chunk_state_bwd` give them, in one walk launch or one launch of local terms."""
-    if walks(layout, k.shape[2], k.shape[3], v.shape[3]):
-        h, _, dh, dh0 = chunk_states_walk(q, k, v, do, gc, layout, h0, dht, scale, exclusive, dot_dtype,
-                                          fwd=True, bwd=True, need_dh0=need_dh0)
-        return h, dh, dh0
-    h, dh = chunk_local_states(q, k, v, do, gc, layout, scale, exclusive, dot_dtype, fwd=True, bwd=True)
-    h, _ = chunk_scan_states(h, gc, layout, h0, False, reverse=False)
+                         need_dh0: bool, dot_dtype, h=None):
+    """The backward's state passes: (h, dh, dh0 or None). h: the per-chunk entering states, as
+    `chunk_state_fwd` gives them (without the final state); dh [num_chunks, H, K, V] fp32: the gradients
+    of the leaving states, dS_in = exp(Γ_L) * dS_out + scale (q * exp(Γq))^T do from dht (or 0) at the
+    end; dh0 the last of them. Both passes run in one walk launch or one launch of local terms; given
+    `h` (a forward that kept its states), only the reverse pass runs (k, v and h0 unused) and h comes
+    back as given."""
+    fwd = h is None
+    k, v, h0 = (k, v, h0) if fwd else (None, None, None)
+    if walks(layout, q.shape[2], q.shape[3], do.shape[3]):
+        h_, _, dh, dh0 = chunk_states_walk(q, k, v, do, gc, layout, h0, dht, scale, exclusive, dot_dtype,
+                                           fwd=fwd, bwd=True, need_dh0=need_dh0)
+        return (h_ if fwd else h), dh, dh0
+    h_, dh = chunk_local_states(q, k, v, do, gc, layout, scale, exclusive, dot_dtype, fwd=fwd, bwd=True)
+    if fwd:
+        h, _ = chunk_scan_states(h_, gc, layout, h0, False, reverse=False)
     dh, dh0 = chunk_scan_states(dh, gc, layout, dht, need_dh0, reverse=True)
     return h, dh, dh0

@@ -69,13 +69,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout
+from bench.metrics import MetricsError
+from bench.scale_report import TABLE_HEADER, write_outputs
+from bench.scale_runs import OWNED_KEYS, RUNS, ScaleError, device_description, make_plan, run_one
+from bench.timing import versions
 
-from bench.scale_report import TABLE_HEADER, write_outputs  # noqa: E402
-from bench.scale_runs import (OWNED_KEYS, RUNS, ScaleError, device_description, make_plan,  # noqa: E402
-                              run_one)
-from bench.timing import versions  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {run} ({plan.label(run)}) ==", flush=True)
             try:
                 result = run_one(run, plan, summary, out, args.timeout, args.resume_tolerance)
-            except ScaleError as err:
+            except (ScaleError, MetricsError) as err:
                 print(f"{run}: FAILED: {err}", file=sys.stderr, flush=True)
                 world = plan.nproc if run in ("fsdp", "hsdp", "resume") else 1
                 result = {"error": str(err), "world": world}

@@ -6,7 +6,6 @@ reading of a run's metrics.jsonl, and the five runs: fsdp, single, hsdp, resume 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -18,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -255,22 +256,6 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 # ---- reading the runs --------------------------------------------------------------------------
-
-def read_metrics(path: Path, start_line: int = 0) -> list[dict]:
-    """The training records (not validation ones) of metrics.jsonl from line `start_line` on."""
-    if not path.is_file():
-        raise ScaleError(f"{path} is missing: the run logged nothing")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines()[start_line:], start_line + 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by the SIGKILL: not a record
-            print(f"note: {path}:{number} is not JSON (cut by the kill?), skipped", file=sys.stderr)
-            continue
-        if "loss" in record:
-            records.append(record)
-    return records
-
 
 def line_count(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0

@@ -5,16 +5,14 @@ table rows, resume comparison, model-only load), not the numbers; it takes about
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")
-sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
 
-from bench import scale, scale_runs  # noqa: E402
+from bench import scale, scale_runs
 
 
 def table(text: str) -> dict[tuple[str, str], list[str]]:

@@ -219,7 +219,7 @@ _VALUE_BLOCK = 128
 # Operand dtype of the column-gated read kernels (_slots_fwd_kernel, _slots_bwd_kernel): fp32 for
 # M <= _SLOT_FP32_MAX_M slots, else the input dtype. With bf16 operands at M = 32 (K = 64), triton 3.6
 # on the H100 compiles them into code that crashes a bf16 GSA model
-# (tests/models/test_gpu.py::test_failure3_..._triton[gsa], an illegal memory access, at any warp
+# (tests/models/test_gpu.py::test_fresh_model_is_finite_in_bf16_on_cuda_triton[gsa], an illegal memory access, at any warp
 # count of the core kernels and at num_stages 1 or 3). compute-sanitizer reports out-of-bounds
 # __shared__ reads of 1024 bytes inside their tl.dot (intra.mm) at num_stages 3, none at 1 (where the
 # plain run still crashes); an op-level run with the model's shapes and random inputs does not crash,

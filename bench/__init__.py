@@ -1,1 +1,1 @@
-"""Benchmarks and GPU tools of flame, run from a checkout: `python bench/<tool>.py --help` says what each measures."""
+"""Benchmarks of flame, run from the root of a checkout: `python -m bench.<tool> --help` says what each measures."""

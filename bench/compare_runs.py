@@ -1,7 +1,7 @@
 """Side by side: the logged training steps of two runs' metrics.jsonl (loss, grad norm, tokens/s per
 device, MFU, memory). It reads files only: any machine.
 
-    python bench/compare_runs.py [--equal] RUN_A/metrics.jsonl RUN_B/metrics.jsonl
+    python -m bench.compare_runs [--equal] RUN_A/metrics.jsonl RUN_B/metrics.jsonl
 
 Two runs of `python -m flame.train` that should agree, e.g. a resumed run against the uninterrupted
 one, FSDP over 2 GPUs against 1 GPU with twice the gradient accumulation, or `--training.compile
@@ -15,9 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from bench.metrics_files import read_metrics  # noqa: E402
+from bench.metrics import MetricsError, read_metrics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a = {r["step"]: r for r in read_metrics(Path(args.a))}
         b = {r["step"]: r for r in read_metrics(Path(args.b))}
-    except FileNotFoundError as err:
-        raise SystemExit(f"bench/compare_runs.py: {err}") from None
+    except MetricsError as err:
+        raise SystemExit(f"bench.compare_runs: {err}") from None
     common = sorted(set(a) & set(b))
     print("step  loss_a   loss_b   rel_diff  gnorm_a  gnorm_b  tok/s/dev_a tok/s/dev_b  mfu_a  mfu_b  mem_a")
     for step in common:

@@ -1,6 +1,6 @@
 """Data-pipeline throughput on the CPU, per rank (a benchmark, not a test).
 
-    python bench/data.py [--workers 2] [--batch-size 8] [--seq-len 2048] [--seconds 3]
+    python -m bench.data [--workers 2] [--batch-size 8] [--seq-len 2048] [--seconds 3]
 
 Measures, for one data-parallel rank:
 - online tokenization of the embedded corpus: `tokenizers` batch encoding in this process
@@ -16,12 +16,8 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 
 def tokens_per_second(loader, seconds: float) -> float:

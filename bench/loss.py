@@ -1,8 +1,8 @@
 """Speed and peak memory of the LM-head loss: flame's fused linear_cross_entropy against the plain head.
 
-    python bench/loss.py                              # N=32768 tokens, D=1024, V=32000, bf16
-    python bench/loss.py --l2wrap --ignore 0.1        # with RWKV7's L2Wrap term, 10% of labels ignored
-    python bench/loss.py --n 16384 --impls fused,plain
+    python -m bench.loss                              # N=32768 tokens, D=1024, V=32000, bf16
+    python -m bench.loss --l2wrap --ignore 0.1        # with RWKV7's L2Wrap term, 10% of labels ignored
+    python -m bench.loss --n 16384 --impls fused,plain
 
 What it measures, for one forward + backward of the loss of N tokens (hidden [N, D] and head weight
 [V, D] in --dtype, both requiring grad, labels [N] with --ignore of them -100, scale 1 / valid count):
@@ -21,14 +21,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flame.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from flame.ops.linear_cross_entropy import linear_cross_entropy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLS = ("plain", "fused", "fused-torch")

@@ -1,13 +1,13 @@
 """Speed of flame's linear-attention kernels on one CUDA GPU, against fla's at the same shapes when
 fla is installed: the forward, and forward + backward, of each registered op.
 
-    python bench/ops.py                        # every registered op at its shapes
-    python bench/ops.py --ops chunk_rwkv6      # a subset
-    python bench/ops.py --profile              # also a per-kernel profile of one forward+backward
-    python bench/ops.py --value-checks         # with flame's input value checks (a host sync per call)
-    python bench/ops.py --ops chunk_gsa --warm-only   # compile (and autotune) only, no timing
-    python bench/ops.py --ops chunk_gsa --shape 2 --libs fla   # one shape, one library
-    python bench/ops.py --ops chunk_rwkv7 --libs flame --profile \
+    python -m bench.ops                        # every registered op at its shapes
+    python -m bench.ops --ops chunk_rwkv6      # a subset
+    python -m bench.ops --profile              # also a per-kernel profile of one forward+backward
+    python -m bench.ops --value-checks         # with flame's input value checks (a host sync per call)
+    python -m bench.ops --ops chunk_gsa --warm-only   # compile (and autotune) only, no timing
+    python -m bench.ops --ops chunk_gsa --shape 2 --libs fla   # one shape, one library
+    python -m bench.ops --ops chunk_rwkv7 --libs flame --profile \
         --launch "_bwd_maps_kernel:num_warps=8,maxnreg=None"  # a launch-option variant of a kernel
 
 Triton compiles (and fla autotunes) on first use, one CPU core per process; fla's cold autotune takes
@@ -38,16 +38,13 @@ import pkgutil
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from bench.timing import (FLA_MISSING, fla_available, fla_function, forward_and_backward_ms,  # noqa: E402
-                          profile_forward_backward, require_cuda, warm_forward_backward)
+from bench.timing import (FLA_MISSING, fla_available, fla_function, forward_and_backward_ms, profile_forward_backward,
+                          require_cuda, warm_forward_backward)
 
 
 @dataclass(frozen=True)

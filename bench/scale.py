@@ -51,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.metrics_files import read_metrics
+from bench.metrics import MetricsError, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ("single", "replicate", "fsdp", "hsdp", "nodes", "nodes_fsdp", "preempt")
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                     failed |= not runs[run]["passed"]
                 else:
                     runs[run] = run_throughput(args, config, run, out)
-            except ScaleError as err:
+            except (ScaleError, MetricsError) as err:
                 print(f"{name} {run}: FAILED: {err}", file=sys.stderr, flush=True)
                 runs[run] = {"error": str(err)}
                 failed = True

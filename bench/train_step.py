@@ -1,9 +1,9 @@
 """Whole training steps of the shipped 340M configs on one GPU, through flame's own trainer.
 
-    python bench/train_step.py                                  # rwkv7, rwkv6, gsa; flame (and fla if installed)
-    python bench/train_step.py --families rwkv7 --libs flame    # one family, one library
-    python bench/train_step.py --size 1B --libs flame           # the 1B configs
-    python bench/train_step.py --families gsa -- --training.compile false   # trainer overrides after --
+    python -m bench.train_step                                  # rwkv7, rwkv6, gsa; flame (and fla if installed)
+    python -m bench.train_step --families rwkv7 --libs flame    # one family, one library
+    python -m bench.train_step --size 1B --libs flame           # the 1B configs
+    python -m bench.train_step --families gsa -- --training.compile false   # trainer overrides after --
 
 What it measures (one CUDA GPU, as `python -m flame.train` runs there: fp32 weights under bf16
 autocast, no FSDP): each family's `configs/<family>_340M.toml` (or `--size 1B`; 32768 tokens per step, vocab 32000)
@@ -42,11 +42,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.fla_models import fla_model_factory
+from bench.timing import FLA_MISSING, KINDS, busy_ms, fla_available, is_annotation, kernel_kind, triton_kernel_names
 
-from bench.timing import (FLA_MISSING, KINDS, busy_ms, fla_available, is_annotation,  # noqa: E402
-                          kernel_kind, triton_kernel_names)
+REPO = Path(__file__).resolve().parents[1]
 
 FAMILIES = ("rwkv7", "rwkv6", "gsa")
 LIBS = ("flame", "fla")
@@ -69,60 +68,6 @@ def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides
 
 
 # ---- one (family, library) run, in a child process ---------------------------------------------
-
-def fla_model_factory(family: str):
-    """A factory of fla's model of `family`, shaped like flame's config, behind flame's model interface."""
-    import torch
-    from torch import nn
-
-    def build(args):
-        import fla.models as fm
-
-        common = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                      vocab_size=args.vocab_size, norm_eps=args.norm_eps,
-                      tie_word_embeddings=args.tie_word_embeddings, fuse_cross_entropy=False)
-        if family == "rwkv7":
-            config = fm.RWKV7Config(head_dim=args.head_dim, use_l2warp=False, **common)
-            model = fm.RWKV7ForCausalLM(config)
-        elif family == "rwkv6":
-            config = fm.RWKV6Config(num_heads=args.hidden_size // args.head_dim, expand_k=1.0,
-                                    expand_v=1.0, **common)
-            model = fm.RWKV6ForCausalLM(config)
-        else:
-            config = fm.GSAConfig(num_heads=args.num_heads, num_slots=args.num_slots,
-                                  gate_logit_normalizer=args.gate_logit_normalizer, **common)
-            model = fm.GSAForCausalLM(config)
-        l2wrap = family == "rwkv7" and bool(args.l2wrap)
-
-        class FlaLM(nn.Module):
-            """fla's model with flame's forward contract: logits, or the scaled CE sum given labels."""
-
-            def __init__(self):
-                super().__init__()
-                self.inner = model
-                self.layers = model.model.layers
-
-            def forward(self, input_ids, cu_seqlens=None, labels=None, loss_scale=1.0):
-                hidden = self.inner.model(input_ids=input_ids, cu_seqlens=cu_seqlens).last_hidden_state
-                weight = self.inner.lm_head.weight
-                if labels is None:
-                    return hidden @ weight.t()
-                from flame.ops.linear_cross_entropy import linear_cross_entropy
-                return linear_cross_entropy(hidden.flatten(0, 1), weight, labels.flatten(),
-                                            scale=loss_scale, l2wrap=l2wrap)
-
-            @torch.no_grad()
-            def init_weights(self):
-                self.inner.apply(self.inner._init_weights)
-
-            def num_flops_per_token(self, seq_len):
-                params = sum(p.numel() for p in self.parameters())
-                return 6 * (params - self.inner.model.embeddings.weight.numel())
-
-        return FlaLM()
-
-    return build
-
 
 def host_syncs_of(step) -> list[str]:
     """Where one call of `step` makes the host wait for the GPU (torch's sync debug mode): for each
@@ -310,12 +255,12 @@ def main() -> int:
         for lib in libs:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 out = tmp.name
-            cmd = [sys.executable, __file__, "--child", f"{family}:{lib}:{out}", "--size", args.size,
+            cmd = [sys.executable, "-m", "bench.train_step", "--child", f"{family}:{lib}:{out}", "--size", args.size,
                    "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
                    "--host-profile", str(args.host_profile), *(["--trace", args.trace] if args.trace else []),
                    "--", *overrides]
-            print(f"=== {family} / {lib}: {' '.join(cmd[2:])}", flush=True)
+            print(f"=== {family} / {lib}: {' '.join(cmd[3:])}", flush=True)
             start = time.monotonic()
             try:
                 proc = subprocess.run(cmd, timeout=args.timeout, env=os.environ.copy())

@@ -90,13 +90,12 @@ class Model:
     """Attention kernels: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch"."""
     cache_intermediates: bool = False
     """RWKV7 only, Triton kernels: keep the chunk forward's per-chunk intermediates for the backward
-    instead of recomputing them: 1600 bytes per token, head and layer (rwkv7_340M at batch 8 x 2048:
-    +8.3 GiB) for a ~10% faster attention (rwkv7_340M on one H100: about 4% more tokens/s)."""
+    instead of recomputing them: a faster attention backward for more activation memory (the trade
+    is measured in bench/RESULTS.md, whole training step)."""
     recompute_states: bool = False
     """RWKV7 only, Triton kernels: the chunk forward does not keep its per-chunk states for the
-    backward, which runs the forward scan again for them in the launch of its own scan: 512 bytes
-    less per token, head and layer (rwkv7_340M at batch 8 x 2048: 2.9 GiB less for 2.4% fewer
-    tokens/s on one H100; with activation_checkpoint = "none" and no cache it fits in 29.8 GiB)."""
+    backward, which runs the forward scan again for them in the launch of its own scan: less
+    activation memory for a slightly slower step (measured in bench/RESULTS.md, whole training step)."""
 
 
 TRAINING_MEMORY_FIELDS = ("cache_intermediates", "recompute_states")

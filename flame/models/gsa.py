@@ -1,5 +1,5 @@
 """GSA (Gated Slot Attention): two gated linear-attention passes around a softmax over M memory
-slots, with RMSNorm pre-norm blocks and a SwiGLU MLP (kernels.md 3.1 and 4.3).
+slots, with RMSNorm pre-norm blocks and a SwiGLU MLP (docs/kernels.md#gsa-recurrence, #gsa-layer).
 
 Layer equations (x: the normed block input; HQ query heads, H key/value heads, head dim d = C/HQ):
     q = swish(W_q x) [HQ, d],  k = swish(W_k x) [H, d],  v = silu(W_v x) [H, d]

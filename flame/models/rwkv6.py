@@ -1,5 +1,5 @@
 """RWKV6 ("Finch"): data-dependent token shift, LoRA decay, bonus, receptance-gated channel mix
-(kernels.md 4.1, official x060).
+(docs/kernels.md#rwkv6-layer, official x060).
 
 Layer equations (x: the normed block input, delta = token_shift(x) - x):
     xi = tanh((x + delta * mu_x) @ mix_w1)             [5 * mix_rank]

@@ -1,4 +1,5 @@
-"""RWKV7 ("Goose"): time mix with the DPLR delta rule, squared-ReLU channel mix (kernels.md 4.2).
+"""RWKV7 ("Goose"): time mix with the DPLR delta rule, squared-ReLU channel mix
+(docs/kernels.md#rwkv7-layer).
 
 Layer equations (x: the normed block input, delta = token_shift(x) - x):
     x_* = x + delta * mu_*                       * in r, w, k, v, a, g (static lerps)

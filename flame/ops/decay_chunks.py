@@ -1,12 +1,13 @@
 """Chunk layout and stable decayed intra-chunk products, shared by the PyTorch chunked backends.
 
-Every exp() argument here is <= 0 (kernels.md 0.4): inside a chunk of C positions cut into
-sub-chunks of S, pairs in the same sub-chunk get their exact exponent, and pairs across sub-chunks
-use the reference-point factorisation of kernels.md 1.3, with the reference at the last position
-before the query sub-chunk, so that both factors are <= 1 for any decay. Masked pairs get an
-exponent of -inf by a select before exp(), so neither values nor gradients can turn into NaN.
-decayed_scores has a hand-written backward that recomputes the factors instead of saving the
-[S, S, K] pair tensors, and gets the gate gradients from identity I2 (kernels.md 0.3).
+Every exp() argument here is <= 0 (docs/kernels.md#stable-exponent-placement-i3): inside a chunk of
+C positions cut into sub-chunks of S, pairs in the same sub-chunk get their exact exponent, and
+pairs across sub-chunks use the reference-point factorisation of
+docs/kernels.md#stable-decay-placement, with the reference at the last position before the query
+sub-chunk, so that both factors are <= 1 for any decay. Masked pairs get an exponent of -inf by a
+select before exp(), so neither values nor gradients can turn into NaN. decayed_scores has a
+hand-written backward that recomputes the factors instead of saving the [S, S, K] pair tensors, and
+gets the gate gradients from identity I2 (docs/kernels.md#gate-gradients-by-reverse-cumsum-i2).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def _score_factors(x, gx, g, inclusive, sub):
 
 class _DecayedScores(torch.autograd.Function):
     """decayed_scores with a hand-written backward: the factors are recomputed (not saved), and
-    the gate gradients follow identity I2 (kernels.md 0.3): dgx = x * dx and dg = -sum_y y * dy."""
+    the gate gradients follow identity I2 (docs/kernels.md#gate-gradients-by-reverse-cumsum-i2):
+    dgx = x * dx and dg = -sum_y y * dy."""
 
     @staticmethod
     def forward(ctx, x, gx, g, inclusive, sub, *ys):
@@ -171,7 +173,7 @@ def decayed_mix(A: torch.Tensor, y: torch.Tensor, g: torch.Tensor, sub: int = DE
     """out[t, m] = sum_{j <= t} A[t, j] y[j, m] exp(g[t, m] - g[j, m]): a value-side gated product.
 
     A: [..., C, C], finite (entries above the diagonal are ignored); y, g: [..., C, M], g the inclusive
-    chunk-local cumsum. Returns [..., C, M]. This is GSA's key pass (kernels.md 3.2).
+    chunk-local cumsum. Returns [..., C, M]. This is GSA's key pass (docs/kernels.md#gsa-chunked-forward).
     """
     C = A.shape[-1]
     sub = min(sub, C)

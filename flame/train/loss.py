@@ -6,7 +6,7 @@ The count is known before the first forward (labels come with the batch), so eac
 loss is its CE sum divided by that global count, and the accumulated gradients are exactly the
 gradients of the step objective, whatever the split into micro-batches and ranks. A mean of
 micro-batch means would weight tokens unequally whenever the micro-batches hold different numbers
-of valid tokens (known failure 4).
+of valid tokens (docs/known-failures.md#loss-scaled-by-gradient-accumulation).
 """
 
 from __future__ import annotations

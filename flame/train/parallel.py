@@ -299,10 +299,9 @@ def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     two of RWKV6's channel mix), and keeps the others (a single lerp; RWKV6's five data-dependent
     ones, which read x and five offsets).
     Compiled, the recomputation runs inside the backward's fused kernels, which read the saved
-    matmul outputs anyway: rwkv7_340M at batch 8 x 2048 saves ~15 GiB instead of ~30 per
-    micro-batch, for ~7% more GPU time (H100, bf16). The bf16 weight copies cost 0.7 GiB for
-    340M parameters; recomputed, each would be a kernel of its own that reads the fp32 weight
-    again in every micro-batch's backward (4 ms per step for rwkv7_340M at GA 2)."""
+    matmul outputs anyway: about half the activation memory for a few percent of GPU time
+    (bench/RESULTS.md, whole training step). The bf16 weight copies are kept: recomputed, each
+    would be a kernel of its own that reads the fp32 weight again in every micro-batch's backward."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     if func.name() == "flame::token_shift_mix_fwd" and not _lerps_worth_saving(*args[:3]):

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import use_deterministic_algorithms
 from torch.distributed.checkpoint.stateful import Stateful
 
 from flame.config import to_toml
@@ -190,7 +191,7 @@ class Trainer(Stateful):
         else:
             torch.manual_seed(seed)
             if self.cfg.job.deterministic:
-                torch.use_deterministic_algorithms(True)
+                use_deterministic_algorithms(True)
 
     def build_dataloader(self, split: str):
         """This rank's loader of the "train" split or of the held-out "validation" split."""

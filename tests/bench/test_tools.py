@@ -1,5 +1,5 @@
-"""Every tool in bench/ explains itself on --help without a GPU, and bench/ops.py's launch
-overrides reach the kernel's launch."""
+"""Every tool in bench/ explains itself on `python -m bench.<tool> --help` without a GPU (and so does
+scripts/gpu_tests.py), and bench/ops.py's launch overrides reach the kernel's launch."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
 
 TOOLS = sorted(p.name for p in (ROOT / "bench").glob("*.py")
                if 'if __name__ == "__main__":' in p.read_text())
 
 
 def test_the_bench_folder_has_its_tools():
-    assert {"ops.py", "train_step.py", "scale.py", "data.py", "gpu_tests.py", "compare_runs.py"} <= set(TOOLS)
+    assert {"ops.py", "train_step.py", "scale.py", "data.py", "compare_runs.py"} <= set(TOOLS)
 
 
-@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("tool", [*TOOLS, "scripts/gpu_tests.py"])
 def test_help_says_what_it_measures_and_where(tool):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / tool), "--help"], capture_output=True,
+    command = [str(ROOT / tool)] if tool.startswith("scripts/") else ["-m", f"bench.{tool.removesuffix('.py')}"]
+    done = subprocess.run([sys.executable, *command, "--help"], capture_output=True, cwd=ROOT,
                           text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage:"), done.stdout[:500]

@@ -13,7 +13,7 @@ from flame.models import build_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
-# Official RWKV7 LoRA ranks (decay, a, v, gate) by width: kernels.md 4.2 item 9 table, plus C = 128
+# Official RWKV7 LoRA ranks (decay, a, v, gate) by width: docs/kernels.md#rwkv7-lora-ranks table, plus C = 128
 # (2.5*sqrt(128)/32 = 0.88 -> 1, 1.7*sqrt(128)/32 = 0.60 -> 1, 5*sqrt(128)/32 = 1.77 -> 2).
 RWKV7_RANKS = {128: (32, 32, 32, 64), 1024: (64, 64, 64, 160), 2048: (128, 128, 64, 224)}
 RWKV6_FFN = {1024: 3584, 2048: 7168}  # 3.5 C rounded down to 32

@@ -1,5 +1,5 @@
 """CUDA checks (skipped without a GPU): the models on the Triton kernels in bf16 are finite
-(known failure 3: all-NaN RWKV7 in bf16 on CUDA) and agree with the PyTorch backend."""
+(the all-NaN RWKV7 outputs of docs/known-failures.md#all-nan-rwkv7-outputs) and agree with the PyTorch backend."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def assert_fresh_bf16_model_is_finite(args, label):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_failure3_fresh_model_is_finite_in_bf16_on_cuda_triton(family):
+def test_fresh_model_is_finite_in_bf16_on_cuda_triton(family):
     assert_fresh_bf16_model_is_finite(gpu_args(family, "triton"), family)
 
 

@@ -1,4 +1,4 @@
-"""Comparison helpers shared by all op tests (the metric of kernels.md section 5)."""
+"""Comparison helpers shared by all op tests (the metric of docs/kernels.md#test-metric)."""
 
 import torch
 

@@ -317,7 +317,9 @@ def assert_results_close(ref, out, ratio: float, label: str = "", atol: float = 
 
 
 def assert_inputs_unchanged(op, inputs: dict, **kwargs) -> None:
-    """Known failure 5: neither the forward nor the backward of op may modify any input tensor.
+    """Chunked and recurrent kernels disagreeing
+    (docs/known-failures.md#chunked-and-recurrent-kernels-disagree): neither the forward nor the backward of
+    op may modify any input tensor.
 
     Runs forward and backward (with a final-state gradient) and compares every input, bit for bit,
     with a copy taken before. Works for any backend= passed in kwargs.

@@ -7,7 +7,7 @@ from tests.ops.inputs import assert_results_close, forward_backward, make_gsa_in
 
 
 def test_softmax_with_large_score_spread():
-    """|q|, |k| up to ~10 with scale 1: the slot softmax must stay max-stable (kernels.md 7.14)."""
+    """|q|, |k| up to ~10 with scale 1: the slot softmax must stay max-stable (docs/kernels.md#gsa-softmax)."""
     inputs = make_gsa_inputs(1, 40, 2, 16, 8, 8, dtype=torch.float32, requires_grad=True)
     inputs = {n: x for n, x in inputs.items()}
     inputs["q"] = (inputs["q"].detach() * 10).requires_grad_(True)

@@ -1,7 +1,7 @@
 """GSA Triton kernels (chunked and fused recurrent) against the fp64 step-by-step oracle naive_gsa.
 
-CPU runs use the Triton interpreter (set by conftest); the hazards are those of kernels.md
-section 7 that apply to GSA. GPU-only tests (bf16, T = 4096) are marked `gpu`.
+CPU runs use the Triton interpreter (set by conftest); the hazards are those of
+docs/kernels.md#hazard-tests that apply to GSA. GPU-only tests (bf16, T = 4096) are marked `gpu`.
 """
 
 import pytest
@@ -50,7 +50,8 @@ def check_against_naive(op, inputs, scale=None, cu_seqlens=None, with_dht=True, 
 
 
 def _atol(name, ref_inputs, rgrads, dtype):
-    """Absolute floor of the comparison. dg comes from identity I2 (kernels.md 0.3), a reverse sum of
+    """Absolute floor of the comparison. dg comes from identity I2
+    (docs/kernels.md#gate-gradients-by-reverse-cumsum-i2), a reverse sum of
     the differences z dz + p dp - s ds whose terms cancel exactly when every gate underflows (the
     true dg is then 0 in fp64), so its fp32 rounding floor is relative to the size of the terms:
     max|s * ds|, itself checked against the oracle."""
@@ -85,12 +86,13 @@ def op(request):
     ("extreme", torch.float32), ("extreme", torch.bfloat16), ("wide", torch.float32), ("wide", torch.bfloat16),
     (-1e3, torch.float32), (-1e4, torch.bfloat16)])
 def test_extreme_log_decays(op, decay, dtype):
-    """Hazard 1: log-forget gates down to -150 per step, and constants that underflow exp."""
+    """Extreme log-decays: log-forget gates down to -150 per step, and constants that underflow exp."""
     check_against_naive(op, gsa_inputs(T=70, decay=decay, dtype=dtype))
 
 
-def test_known_failure_2_extreme_log_decay(op):
-    """known-failures.md 2: forget logits of -60 and below must give finite, fp64-matching outputs
+def test_forget_logits_of_minus_60_stay_finite_and_match_fp64(op):
+    """docs/known-failures.md#nan-gradients-from-large-log-decays: forget logits of -60 and below must
+    give finite, fp64-matching outputs
     and gradients in fp32 and bf16 (the exclusive-reference exp(+|g|) overflow)."""
     for dtype in (torch.float32, torch.bfloat16):
         inputs = gsa_inputs(T=80, decay=-60.0, dtype=dtype)
@@ -101,7 +103,7 @@ def test_known_failure_2_extreme_log_decay(op):
 
 @pytest.mark.parametrize("decay", ["zero", "half_zero"])
 def test_zero_decay(op, decay):
-    """Hazard 2: g == 0 (decay 1) everywhere or on half the entries; long-range accumulation.
+    """Zero decay: g == 0 (decay 1) everywhere or on half the entries; long-range accumulation.
     s is drawn independently of g here, otherwise s = 1 - exp(g) would be 0 wherever g is."""
     inputs = gsa_inputs(T=100, decay=decay)
     with torch.no_grad():
@@ -111,25 +113,26 @@ def test_zero_decay(op, decay):
 
 @pytest.mark.parametrize("T", [1, 15, 63, 65, 130])
 def test_partial_chunks_strong_gates(op, T):
-    """Hazard 3: T not a multiple of the chunk size, with g = -50 so that a padding row loaded
+    """Partial last chunk: T not a multiple of the chunk size, with g = -50 so that a padding row loaded
     with gate 0 instead of a select would overflow in the backward contractions."""
     check_against_naive(op, gsa_inputs(T=T, decay=-50.0))
 
 
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 64), (32, 256), (60, 100)])
 def test_initial_state_k_ne_v(op, K, V):
-    """Hazard 5 (known failure 1's shape): K != V with a random initial state pair and its gradient."""
+    """Non-square states (the known failure of state tiles when K and V differ): K != V with a random
+    initial state pair and its gradient."""
     check_against_naive(op, gsa_inputs(T=20, H=1, K=K, V=V, M=32))
 
 
 @pytest.mark.parametrize("with_dht", [True, False])
 def test_state_gradients(op, with_dht):
-    """Hazards 6 and 7: random final-state gradients, and dh0 with and without them."""
+    """Final-state gradient, initial-state gradient: random final-state gradients, and dh0 with and without them."""
     check_against_naive(op, gsa_inputs(B=2, T=40, H=2), with_dht=with_dht)
 
 
 def test_zero_initial_state_gets_gradient(op):
-    """Hazard 7: h0 = 0 with requires_grad still receives its (non-zero) gradient."""
+    """Initial-state gradient: h0 = 0 with requires_grad still receives its (non-zero) gradient."""
     inputs = gsa_inputs(T=30)
     with torch.no_grad():
         for h in inputs["initial_state"]:
@@ -143,7 +146,7 @@ def test_no_initial_state(op):
 
 
 def test_varlen_matches_per_sequence(op):
-    """Hazard 9: packed sequences of lengths {1, 15, 64, 65, 100} with per-sequence states equal
+    """Varlen equivalence: packed sequences of lengths {1, 15, 64, 65, 100} with per-sequence states equal
     the oracle run sequence by sequence (naive_gsa restarts at every boundary)."""
     lengths = [1, 15, 64, 65, 100]
     cu = make_cu_seqlens(lengths, device=DEVICE)
@@ -175,12 +178,12 @@ def test_varlen_length_one_sequence(op):
 
 
 def test_single_token(op):
-    """Hazard 10: exactly one token (decode)."""
+    """Chunk-size invariance: exactly one token (decode)."""
     check_against_naive(op, gsa_inputs(B=3, T=1))
 
 
 def test_softmax_large_spread(op):
-    """Hazard 14: scale 1 and |q|, |k| up to ~10, so slot scores spread over hundreds; the softmax
+    """GSA softmax: scale 1 and |q|, |k| up to ~10, so slot scores spread over hundreds; the softmax
     must be max-stabilised in fp32 and its gradient dz = p (dp - <p, dp>) must match autograd."""
     inputs = gsa_inputs(T=40, K=32, M=32, decay="weak")
     with torch.no_grad():
@@ -190,7 +193,7 @@ def test_softmax_large_spread(op):
 
 
 def test_softmax_probabilities_sum_to_one():
-    """Hazard 14: the fp32 slot probabilities saved by the forward equal the fp64 softmax and sum to 1."""
+    """GSA softmax: the fp32 slot probabilities saved by the forward equal the fp64 softmax and sum to 1."""
     inputs = make_gsa_inputs(1, 40, 2, 32, 16, 32, device=DEVICE, decay="weak")
     q, k, v, s, g = (inputs[n] * (8 if n in "qk" else 1) for n in "qkvsg")
     hk0, hv0 = inputs["initial_state"]
@@ -211,7 +214,7 @@ def test_softmax_probabilities_sum_to_one():
 
 @pytest.mark.parametrize("K,V,M", [(60, 100, 32), (8, 8, 8), (16, 32, 64), (32, 16, 128)])
 def test_head_dims(op, K, V, M):
-    """Hazard 16: non-power-of-two head dims, dims below 16 (padded with masks), M up to 128."""
+    """Odd head dims: non-power-of-two head dims, dims below 16 (padded with masks), M up to 128."""
     check_against_naive(op, gsa_inputs(T=24, H=1, K=K, V=V, M=M))
 
 
@@ -221,7 +224,7 @@ def test_grouped_queries(op):
 
 
 def test_deterministic_backward(op):
-    """Hazard 17: two runs give bitwise-equal gradients."""
+    """Determinism: two runs give bitwise-equal gradients."""
     inputs = gsa_inputs(T=40, HQ=2, V=40)
     scale = 0.25
     _, _, g1 = _run(op, inputs, scale)
@@ -231,7 +234,8 @@ def test_deterministic_backward(op):
 
 
 def test_inputs_not_modified(op):
-    """Known failure 5, first half: neither forward nor backward modifies any input."""
+    """Chunked and recurrent kernels disagreeing (a known failure), first half: neither forward nor backward
+    modifies any input."""
     inputs = gsa_inputs(T=40, HQ=2)
     before = {n: t.detach().clone() for n, t in grad_leaves(inputs).items()}
     _run(op, inputs, 0.5)
@@ -241,7 +245,7 @@ def test_inputs_not_modified(op):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(op, dtype):
-    """Hazard 8 at CPU size: 16-bit inputs, fp32 internals, fp32 final states."""
+    """16-bit inputs at CPU size: 16-bit inputs, fp32 internals, fp32 final states."""
     check_against_naive(op, gsa_inputs(T=64, HQ=2, dtype=dtype))
 
 
@@ -249,7 +253,7 @@ def test_half_precision_inputs(op, dtype):
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 def test_chunk_size_invariance(chunk_size):
-    """Hazard 10: chunk sizes 16, 32 and 64 all match the oracle (T = 70: partial last chunks)."""
+    """Chunk-size invariance: chunk sizes 16, 32 and 64 all match the oracle (T = 70: partial last chunks)."""
     check_against_naive(chunk_gsa_triton, gsa_inputs(T=70, decay="strong"), chunk_size=chunk_size)
 
 
@@ -263,8 +267,9 @@ def test_recompute_levels_agree():
             assert torch.equal(grads[name], runs[0][2][name]), f"d{name} depends on the recompute level"
 
 
-def test_known_failure_5_paths_agree():
-    """known-failures.md 5: chunked and recurrent kernels agree with each other (and each with fp64,
+def test_chunk_and_recurrent_agree_with_each_other_and_fp64():
+    """docs/known-failures.md#chunked-and-recurrent-kernels-disagree: chunked and recurrent kernels agree
+    with each other (and each with fp64,
     above), outputs, final states and every gradient including the states'; inputs untouched."""
     inputs = gsa_inputs(T=70, HQ=2, K=32, V=48, M=32, decay="strong")
     before = {n: t.detach().clone() for n, t in grad_leaves(inputs).items()}
@@ -285,8 +290,8 @@ def test_known_failure_5_paths_agree():
 @pytest.mark.parametrize("decay", ["strong", "weak"])
 @pytest.mark.parametrize("name", list(OPS))
 def test_gpu_bf16_long(name, decay):
-    """Hazard 8 on the GPU: bf16 inputs at T = 4096 with strong and weak gates, fp32 internals,
-    against naive_gsa in float64 on the same values (ratio 1e-2, kernels.md section 7)."""
+    """16-bit inputs on the GPU: bf16 inputs at T = 4096 with strong and weak gates, fp32 internals,
+    against naive_gsa in float64 on the same values (ratio 1e-2, docs/kernels.md#test-metric)."""
     check_against_naive(OPS[name], gsa_inputs(B=1, T=4096, H=2, K=64, V=128, M=64, dtype=torch.bfloat16,
                                               decay=decay), ratio=1e-2)
 

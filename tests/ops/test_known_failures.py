@@ -1,9 +1,12 @@
-"""Op-side regression tests for known failures 3 and 5 (/work/shared/spec/known-failures.md).
+"""Op-side regression tests for two known failures (docs/known-failures.md):
+#all-nan-rwkv7-outputs and #chunked-and-recurrent-kernels-disagree.
 
-Failure 3: RWKV7 all-NaN outputs; on the op side, a positive "log-decay" (log of a w that can be
-negative, or the decay itself) and a head-first [B, H, T, K] layout must be rejected with a clear error.
-Failure 5: an input modified in place by one path made chunked and recurrent RWKV6 disagree; no op
-may modify its inputs, and chunked and recurrent must agree with each other and with fp64.
+All-NaN RWKV7 outputs (#all-nan-rwkv7-outputs): on the op side, a positive "log-decay" (log of a w
+that can be negative, or the decay itself) and a head-first [B, H, T, K] layout must be rejected
+with a clear error.
+Chunked and recurrent kernels disagreeing (#chunked-and-recurrent-kernels-disagree): an input
+modified in place by one path made chunked and recurrent RWKV6 disagree; no op may modify its
+inputs, and chunked and recurrent must agree with each other and with fp64.
 
 The backend lists below are where the Triton backends plug in: add "triton" to BACKENDS to run the
 same checks on the kernels (under TRITON_INTERPRET=1 on CPU).
@@ -34,11 +37,11 @@ def _op(family, kind):
 
 
 # ---------------------------------------------------------------------------------------------
-# failure 3
+# all-NaN RWKV7 outputs: inputs that lead there are refused
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family,kind", OPS)
-def test_failure3_positive_log_decay_rejected(family, kind, backend):
+def test_positive_log_decay_rejected(family, kind, backend):
     op = _op(family, kind)
     inputs = FAMILIES[family][3]()
     name = DECAY_NAME[family]
@@ -57,7 +60,7 @@ def _head_first(x):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["chunk", "fused_recurrent"])
-def test_failure3_head_first_layout_rejected_rwkv6(kind, backend):
+def test_head_first_layout_rejected_rwkv6(kind, backend):
     """All of r, k, v, w head-first: u [H, K] and the state expose the wrong head count."""
     op = _op("rwkv6", kind)
     inputs = FAMILIES["rwkv6"][3]()
@@ -68,7 +71,7 @@ def test_failure3_head_first_layout_rejected_rwkv6(kind, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["chunk", "fused_recurrent"])
-def test_failure3_head_first_layout_rejected_rwkv7(kind, backend):
+def test_head_first_layout_rejected_rwkv7(kind, backend):
     op = _op("rwkv7", kind)
     inputs = FAMILIES["rwkv7"][3]()
     # one tensor head-first among token-major ones
@@ -82,7 +85,7 @@ def test_failure3_head_first_layout_rejected_rwkv7(kind, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["chunk", "fused_recurrent"])
-def test_failure3_head_first_layout_rejected_gsa(kind, backend):
+def test_head_first_layout_rejected_gsa(kind, backend):
     op = _op("gsa", kind)
     inputs = FAMILIES["gsa"][3]()
     # q head-first: its "head" dim is T = 40, and B/T no longer match k
@@ -99,19 +102,19 @@ def test_failure3_head_first_layout_rejected_gsa(kind, backend):
 
 
 # ---------------------------------------------------------------------------------------------
-# failure 5
+# chunked and recurrent kernels disagree: inputs untouched, paths agree
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family,kind", OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_failure5_ops_do_not_modify_inputs(family, kind, dtype, backend):
+def test_ops_do_not_modify_inputs(family, kind, dtype, backend):
     inputs = FAMILIES[family][3](dtype=dtype, requires_grad=True, decay="half_zero")
     assert_inputs_unchanged(_op(family, kind), inputs, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_failure5_chunk_and_recurrent_agree_with_each_other_and_fp64(family, backend):
+def test_chunk_and_recurrent_agree_with_each_other_and_fp64(family, backend):
     chunk, recurrent, naive, make = FAMILIES[family]
     inputs = make(dtype=torch.float32, requires_grad=True, decay="strong")
     ref = forward_backward(naive, to_reference(inputs))

@@ -1,7 +1,9 @@
 """RWKV6 Triton kernels (chunked and fused recurrent) against the fp64 step-by-step oracle naive_rwkv6.
 
 CPU runs use the Triton interpreter (set by conftest), with small shapes; the hazards are those of
-kernels.md section 7 that apply to RWKV6 (1-7, 9, 10, 16, 17) and the known failures 1, 2 and 5.
+docs/kernels.md#hazard-tests that apply to RWKV6, and the known failures of docs/known-failures.md on state
+tiles when K != V, NaN gradients from large log-decays, and chunked and recurrent kernels
+disagreeing.
 GPU-only tests (bf16, T up to 4096, realistic sizes) are marked `gpu`: `pytest -m gpu tests/ops`.
 
 A note on dw. By identity I2, dw is a difference of sums of O(1) terms (r * dr' and k * dk'). When
@@ -84,7 +86,7 @@ def _inputs(B=1, T=64, H=1, K=16, V=16, dtype=torch.float32, decay="normal", see
                              initial_state=initial_state, requires_grad=True)
 
 
-# --- hazard 1 and known failure 2: extreme log-decays ---------------------------------------------
+# --- extreme log-decays (#extreme-log-decays, #nan-gradients-from-large-log-decays)
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("decay", ["extreme", "wide", -1e3, -1e4])
@@ -93,8 +95,9 @@ def test_extreme_log_decays(op, decay):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_failure2_extreme_log_decay_gives_finite_matching_gradients(dtype):
-    """Known failure 2: exp(+|w|) at the first row of a sub-chunk overflowed for |w| >~ 12-20.
+def test_extreme_log_decay_gives_finite_matching_gradients(dtype):
+    """NaN gradients from large log-decays (a known failure): exp(+|w|) at the first row of a sub-chunk
+    overflowed for |w| >~ 12-20.
     Log-decays -60 and below (and a column of -1e4) must give finite values that match fp64."""
     inputs = _inputs(T=80, K=16, V=32, dtype=dtype, decay="extreme", seed=3)
     with torch.no_grad():
@@ -103,7 +106,7 @@ def test_failure2_extreme_log_decay_gives_finite_matching_gradients(dtype):
     check_against_naive(chunk_triton, inputs, scale=0.5)
 
 
-# --- hazard 2: zero decay ---------------------------------------------------------------------------
+# --- zero decay (#zero-decay) ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("decay", ["zero", "half_zero"])
@@ -111,7 +114,7 @@ def test_zero_decay(op, decay):
     check_against_naive(OPS[op], _inputs(T=100 if op == "chunk" else 40, decay=decay, seed=1))
 
 
-# --- hazards 3 and 4: partial last chunk with strong decay; masks by select ------------------------
+# --- partial last chunk with strong decay; masks by select (#partial-last-chunk, #masks-by-select) --------------
 
 @pytest.mark.parametrize("T", [1, 15, 63, 65, 130])
 def test_partial_last_chunk_strong_decay(T):
@@ -124,18 +127,19 @@ def test_masks_by_select_with_large_positive_upper_exponents():
     check_against_naive(chunk_triton, inputs)
 
 
-# --- hazard 5 and known failure 1: initial state with K != V ---------------------------------------
+# --- initial state with K != V (#non-square-states, #state-tiles-when-k-and-v-differ) -----------------------------
 
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 64), (32, 256), (60, 100)])
-def test_failure1_initial_state_with_k_ne_v(K, V):
-    """Known failure 1: a [BV, BK] pointer tile against a [BK, BV] mask when K != V."""
+def test_initial_state_with_k_ne_v(K, V):
+    """State tiles when K and V differ (a known failure): a [BV, BK] pointer tile against a [BK, BV] mask
+    when K != V."""
     inputs = _inputs(T=20, K=K, V=V, seed=K + V)
     for op in OPS.values():
         grads = check_against_naive(op, inputs)
         assert grads["initial_state"].shape == (1, 1, K, V)
 
 
-# --- hazards 6 and 7: final-state gradient, initial-state gradient ---------------------------------
+# --- final-state gradient, initial-state gradient (#final-state-gradient, #initial-state-gradient)
 
 @pytest.mark.parametrize("op", OPS)
 def test_final_state_gradient_alone(op):
@@ -163,7 +167,7 @@ def test_without_initial_state(op):
     check_against_naive(OPS[op], _inputs(B=2, T=33, K=16, V=16, initial_state=False, seed=9))
 
 
-# --- hazard 9: varlen ------------------------------------------------------------------------------
+# --- varlen (#varlen-equivalence) ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", OPS)
 def test_varlen_matches_per_sequence(op):
@@ -188,7 +192,7 @@ def test_walk_states(walk_states, case):
         check_against_naive(chunk_triton, _inputs(T=70, K=16, V=32, seed=23), with_do=False)
 
 
-# --- hazard 10: chunk-size invariance, single chunk, one token --------------------------------------
+# --- chunk-size invariance, single chunk, one token (#chunk-size-invariance) ----------------------------
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 @pytest.mark.parametrize("T", [1, 64])
@@ -201,7 +205,7 @@ def test_chunk_sizes(chunk_size, T):
     check_against_naive(op, _inputs(T=T, K=16, V=16, seed=11))
 
 
-# --- hazard 16: head dims that are not powers of two, and small ones -------------------------------
+# --- head dims that are not powers of two, and small ones (#odd-head-dims) ---------------------
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("K,V", [(60, 100), (8, 12), (4, 4)])
@@ -209,7 +213,7 @@ def test_head_dims(op, K, V):
     check_against_naive(OPS[op], _inputs(B=2, T=24, K=K, V=V, seed=K * V), scale=K ** -0.5)
 
 
-# --- hazard 17: determinism --------------------------------------------------------------------------
+# --- determinism (#determinism) --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", OPS)
 def test_backward_is_bitwise_deterministic(op):
@@ -220,17 +224,18 @@ def test_backward_is_bitwise_deterministic(op):
         assert torch.equal(first[name], second[name]), f"d{name} differs between two identical runs"
 
 
-# --- known failure 5: inputs never modified; chunk and recurrent agree ------------------------------
+# --- inputs never modified; chunk and recurrent agree (#chunked-and-recurrent-kernels-disagree) --------------------
 
 @pytest.mark.parametrize("op", [chunk_rwkv6, fused_recurrent_rwkv6], ids=["chunk", "recurrent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_failure5_inputs_never_modified(op, dtype):
-    """Known failure 5: one path modified w in place and the other read the damaged tensor."""
+def test_inputs_never_modified(op, dtype):
+    """Chunked and recurrent kernels disagreeing (a known failure): one path modified w in place and the
+    other read the damaged tensor."""
     inputs = _inputs(T=70, K=16, V=16, dtype=dtype, decay="half_zero", seed=13)
     assert_inputs_unchanged(op, inputs, backend="triton")
 
 
-def test_failure5_chunk_matches_recurrent():
+def test_chunk_matches_recurrent():
     inputs = _inputs(T=70, K=16, V=16, decay="strong", seed=13)
     o_c, s_c, g_c = _run(chunk_triton, inputs, 1.0)
     o_r, s_r, g_r = _run(recurrent_triton, inputs, 1.0)

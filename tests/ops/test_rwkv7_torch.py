@@ -1,5 +1,6 @@
 """RWKV7 PyTorch backend cases of its own (the cases every family shares are in
-test_torch_backends.py), and the naive recurrence itself against two closed forms (kernels.md 7.13)."""
+test_torch_backends.py), and the naive recurrence itself against two closed forms
+(docs/kernels.md#rwkv7-closed-forms)."""
 
 import pytest
 import torch

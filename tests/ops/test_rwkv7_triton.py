@@ -1,9 +1,9 @@
 """RWKV7 Triton kernels (chunked DPLR and fused recurrent) against the fp64 step-by-step naive_rwkv7.
 
 CPU runs use the Triton interpreter (set by conftest), with small shapes. The hazards are those of
-kernels.md section 7 that apply to RWKV7 (2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 16, 17), plus the
-named regressions of known-failures.md 3 and 5. GPU-only tests (bf16, T = 4096, realistic sizes)
-are marked `gpu`.
+docs/kernels.md#hazard-tests that apply to RWKV7, plus the named regressions of docs/known-failures.md
+(#all-nan-rwkv7-outputs, #chunked-and-recurrent-kernels-disagree). GPU-only tests (bf16, T = 4096,
+realistic sizes) are marked `gpu`.
 """
 
 import math
@@ -14,7 +14,8 @@ import torch
 
 from flame.ops import checks
 from flame.ops.rwkv7.chunk import chunk_rwkv7
-from flame.ops.rwkv7.chunk_triton import centred_chunk_size, chunk_rwkv7_triton
+from flame.ops.rwkv7.chunk_plan import centred_chunk_size
+from flame.ops.rwkv7.chunk_triton import chunk_rwkv7_triton
 from flame.ops.rwkv7.fused_recurrent import fused_recurrent_rwkv7
 from flame.ops.rwkv7.fused_recurrent_triton import fused_recurrent_rwkv7_triton
 from flame.ops.rwkv7.naive import naive_rwkv7
@@ -108,13 +109,13 @@ def test_public_ops_dispatch_to_triton():
 
 @pytest.mark.parametrize("decay", ["zero", "half_zero"])
 def test_zero_decay(op, decay):
-    """Hazard 2: w == 0 (decay 1) everywhere or on half the entries: no 0*inf, long-range sums."""
+    """Zero decay: w == 0 (decay 1) everywhere or on half the entries: no 0*inf, long-range sums."""
     check_against_naive(op, rwkv7_inputs(T=70, decay=decay))
 
 
 @pytest.mark.parametrize("T", [1, 15, 63, 65, 130])
 def test_partial_chunks_strong_gates(T):
-    """Hazard 3: T not a multiple of the chunk size, with w = -50, so that a padding row loaded with
+    """Partial last chunk: T not a multiple of the chunk size, with w = -50, so that a padding row loaded with
     gate 0 instead of a select would overflow in the backward contractions (exact regime: -50 is far
     outside any usable bound)."""
     check_against_naive(chunk_exact, rwkv7_inputs(T=T, decay=-50.0))
@@ -124,30 +125,31 @@ def test_partial_chunks_strong_gates(T):
 
 @pytest.mark.parametrize("T", [1, 63, 65, 130])
 def test_partial_chunks_centred(T):
-    """Hazard 3 in the centred regime (C = 32) with the gate at the bound."""
+    """Partial last chunk in the centred regime (C = 32) with the gate at the bound."""
     check_against_naive(chunk_centred, rwkv7_inputs(T=T, decay=LB))
 
 
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 64), (32, 256), (60, 100)])
 def test_initial_state_k_ne_v(K, V):
-    """Hazard 5 (the K != V state-tile failure): random h0 and its gradient, several (K, V)."""
+    """Non-square states (the known failure of state tiles when K and V differ): random h0 and its gradient,
+    several (K, V)."""
     check_against_naive(chunk_centred, rwkv7_inputs(T=20, K=K, V=V))
     check_against_naive(fused_recurrent_rwkv7_triton, rwkv7_inputs(T=9, K=K, V=V))
 
 
 def test_initial_state_k_ne_v_exact():
-    """Hazard 5 in the exact regime."""
+    """Non-square states in the exact regime."""
     check_against_naive(chunk_exact, rwkv7_inputs(T=20, K=60, V=100))
 
 
 @pytest.mark.parametrize("with_dht", [True, False])
 def test_state_gradients(op, with_dht):
-    """Hazards 6 and 7: a random final-state gradient, and dh0 with and without it."""
+    """Final-state gradient, initial-state gradient: a random final-state gradient, and dh0 with and without it."""
     check_against_naive(op, rwkv7_inputs(B=2, T=30), with_dht=with_dht)
 
 
 def test_zero_initial_state_gets_gradient(op):
-    """Hazard 7: h0 = 0 that requires grad still receives its gradient."""
+    """Initial-state gradient: h0 = 0 that requires grad still receives its gradient."""
     inputs = rwkv7_inputs(T=20)
     with torch.no_grad():
         inputs["initial_state"].zero_()
@@ -161,7 +163,7 @@ def test_no_initial_state(op):
 
 @pytest.mark.parametrize("name", ["chunk_exact", "chunk_centred", "fused_recurrent"])
 def test_varlen(name):
-    """Hazard 9: lengths {1, 15, 64, 65, 30} packed into one batch, per-sequence h0 and final states."""
+    """Varlen equivalence: lengths {1, 15, 64, 65, 30} packed into one batch, per-sequence h0 and final states."""
     lengths = [1, 15, 64, 65, 30] if name != "chunk_exact" else [1, 15, 17, 33]
     cu = make_cu_seqlens(lengths, device=DEVICE)
     inputs = varlen_state(rwkv7_inputs(T=sum(lengths)), len(lengths))
@@ -170,7 +172,8 @@ def test_varlen(name):
 
 @pytest.mark.parametrize("bound,chunk", [(LB, 64), (-2.0, 64), (-3.0, 32), (-6.0, 16), (-10.0, None)])
 def test_chunk_size_from_bound(bound, chunk):
-    """Hazard 10/11: the chunk size of the centred regime is the largest whose factors stay within fp32
+    """Chunk-size invariance, RWKV7 gate bound: the chunk size of the centred regime is the largest whose
+    factors stay within fp32
     headroom, |lb| (C/2 + 1) log2 e <= 124; past that (lb = -10) no centred chunk exists."""
     assert centred_chunk_size(bound) == chunk
     assert centred_chunk_size(None) is None
@@ -186,7 +189,7 @@ def test_chunk_size_from_bound(bound, chunk):
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("bound", [-3.0, -6.0, -10.0])
 def test_chunk_size_invariance(bound):
-    """Hazard 10: C = 32, 16 (centred) and the exact fallback give the fp64 result, gates at the bound."""
+    """Chunk-size invariance: C = 32, 16 (centred) and the exact fallback give the fp64 result, gates at the bound."""
     inputs = rwkv7_inputs(T=40, decay=bound)
     check_against_naive(chunk_rwkv7_triton, inputs, gate_lower_bound=bound)
 
@@ -211,7 +214,7 @@ def test_trained_head_bf16_numerics():
 
 
 def test_untrusted_bound_falls_back():
-    """Hazard 11: a bound that the gates break (w = -5 with a claimed -0.6065, value checks off) must not
+    """RWKV7 gate bound: a bound that the gates break (w = -5 with a claimed -0.6065, value checks off) must not
     overflow the centred factors: each chunk checks its own gates and falls back to the exact path."""
     inputs = rwkv7_inputs(T=70, decay=-5.0)
     with torch.no_grad():  # one chunk respects the claim, the other breaks it
@@ -220,13 +223,14 @@ def test_untrusted_bound_falls_back():
 
 
 def test_bound_past_headroom_uses_exact_regime():
-    """Hazard 11: lb = -10 fails the headroom rule at every chunk size, so the exact regime runs."""
+    """RWKV7 gate bound: lb = -10 fails the headroom rule at every chunk size, so the exact regime runs."""
     check_against_naive(chunk_rwkv7_triton, rwkv7_inputs(T=20, decay=-10.0), gate_lower_bound=-10.0)
 
 
 # the inverse's products as the kernels run them: fp32 inputs 3xTF32; 16-bit inputs TF32 merges and a
 # Newton step whose residual is a bf16x3 product (TF32 = 2 and bf16x3 emulated under the interpreter)
-INVERSE_PRECISIONS = pytest.mark.parametrize("precision, tf32", [("tf32x3", 0), ("bf16x3", 2 if DEVICE == "cpu" else 1)],
+INVERSE_PRECISIONS = pytest.mark.parametrize("precision, tf32", [("tf32x3", 0), ("bf16x3", 2 if DEVICE ==
+"cpu" else 1)],
                                              ids=["fp32_inputs", "16bit_inputs"])
 ALIGNED_INVERSE_TOL = {"tf32x3": 5e-6, "bf16x3": 2e-5}  # the bf16x3 Newton residual: 1.1e-5
 
@@ -234,7 +238,7 @@ ALIGNED_INVERSE_TOL = {"tf32x3": 5e-6, "bf16x3": 2e-5}  # the bf16x3 Newton resi
 @INVERSE_PRECISIONS
 @pytest.mark.parametrize("alpha", ["random", "near_one", "one"])
 def test_wy_inverse_accuracy(alpha, precision, tf32):
-    """Hazard 12: ||Tm (I - M^ab) - I|| < 1e-4 in fp32 for C = 64, ||a|| = 1, alpha -> 1 and alpha = 1,
+    """WY inverse accuracy: ||Tm (I - M^ab) - I|| < 1e-4 in fp32 for C = 64, ||a|| = 1, alpha -> 1 and alpha = 1,
     with the products of fp32 inputs (3xTF32) and of 16-bit inputs (TF32 and a Newton step)."""
     C, K = 64, 32
     gen = torch.Generator().manual_seed(3)
@@ -275,7 +279,7 @@ def test_wy_inverse_of_aligned_trained_chunks(precision, tf32):
 
 
 def test_reduces_to_gla_when_b_is_zero(op):
-    """Hazard 13: b = 0 gives inclusive gated linear attention, checked against its closed form."""
+    """RWKV7 closed forms: b = 0 gives inclusive gated linear attention, checked against its closed form."""
     inputs = rwkv7_inputs(T=40, H=2, ab="zero_b", initial_state=False)
     o, _ = op(**inputs, scale=0.5, output_final_state=False)
     r, w, k, v = (inputs[n].detach().double().cpu() for n in ("r", "w", "k", "v"))
@@ -287,7 +291,7 @@ def test_reduces_to_gla_when_b_is_zero(op):
 
 
 def test_delta_rule_when_decay_is_one(op):
-    """Hazard 13: w = 0, a = -kappa_hat, b = kappa_hat is the delta rule with beta = 1:
+    """RWKV7 closed forms: w = 0, a = -kappa_hat, b = kappa_hat is the delta rule with beta = 1:
     S_t = (I - kappa kappa^T) S_{t-1} + k v^T, a projection of the old state."""
     inputs = rwkv7_inputs(T=30, decay="zero", ab="delta")
     o, ht = op(**inputs, scale=1.0, output_final_state=True)
@@ -304,7 +308,7 @@ def test_delta_rule_when_decay_is_one(op):
 
 @pytest.mark.parametrize("K,V", [(60, 100), (8, 12), (20, 16)])
 def test_head_dims(op, K, V):
-    """Hazard 16: non-power-of-two head dims and K < 16 (pad-to-16 masks)."""
+    """Odd head dims: non-power-of-two head dims and K < 16 (pad-to-16 masks)."""
     check_against_naive(op, rwkv7_inputs(T=20, K=K, V=V))
 
 
@@ -315,7 +319,7 @@ def test_large_key_dim_uses_recurrent_kernels():
 
 
 def test_deterministic_backward(op):
-    """Hazard 17: no atomics; two runs give bitwise-equal outputs and gradients."""
+    """Determinism: no atomics; two runs give bitwise-equal outputs and gradients."""
     inputs = rwkv7_inputs(T=40, H=2)
     first = _run(op, inputs, 1.0)
     second = _run(op, inputs, 1.0)
@@ -362,7 +366,7 @@ def test_public_op_passes_recompute_states(monkeypatch):
     """chunk_rwkv7(backend="triton", recompute_states=True) reaches the kernels: the forward keeps no
     states and the backward launches the paired scans once; by default the backward scan runs alone.
     The PyTorch backend accepts and ignores the flag."""
-    from flame.ops.rwkv7 import chunk_triton
+    from flame.ops.rwkv7 import chunk_scan_triton
 
     launches = []
 
@@ -375,7 +379,7 @@ def test_public_op_passes_recompute_states(monkeypatch):
             return self.kernel[grid]
 
     for name in ("_scan_pair_kernel", "_scan_bwd_kernel"):
-        monkeypatch.setattr(chunk_triton, name, Counted(getattr(chunk_triton, name), name))
+        monkeypatch.setattr(chunk_scan_triton, name, Counted(getattr(chunk_scan_triton, name), name))
     inputs = rwkv7_inputs(T=40, H=2)
     leaves = list(grad_leaves(inputs).values())
     grads = {}
@@ -392,13 +396,13 @@ def test_public_op_passes_recompute_states(monkeypatch):
 
 def test_public_op_passes_cache_intermediates(monkeypatch):
     """chunk_rwkv7(backend="triton", cache_intermediates=True) reaches the kernels (the forward keeps its
-    intermediates, so the backward runs no `_prepare`; by default it recomputes them), and gives the
+    intermediates, so the backward runs no `prepare`; by default it recomputes them), and gives the
     default's gradients; the PyTorch backend accepts and ignores the flag."""
     from flame.ops.rwkv7 import chunk_triton
 
     prepares = []
-    original = chunk_triton._prepare
-    monkeypatch.setattr(chunk_triton, "_prepare", lambda *a, **kw: prepares.append(1) or original(*a, **kw))
+    original = chunk_triton.prepare
+    monkeypatch.setattr(chunk_triton, "prepare", lambda *a, **kw: prepares.append(1) or original(*a, **kw))
     inputs = rwkv7_inputs(T=40, H=2)
     kept, _ = chunk_rwkv7(**inputs, backend="triton", gate_lower_bound=LB, cache_intermediates=True)
     default, _ = chunk_rwkv7(**inputs, backend="triton", gate_lower_bound=LB)
@@ -425,8 +429,9 @@ def test_rejects_float64():
 
 # ------------------------------------------------------------------------------------ known failures
 
-def test_failure3_rwkv7_nan_outputs_rejected_inputs_and_finite_bf16():
-    """known-failures.md 3 (all-NaN RWKV7 outputs in bf16): the op rejects a positive log-decay and a
+def test_nan_prone_inputs_rejected_and_bf16_outputs_finite():
+    """docs/known-failures.md#all-nan-rwkv7-outputs (all-NaN RWKV7 outputs in bf16): the op rejects a
+    positive log-decay and a
     head-first layout with a clear error, and layer-like bf16 inputs give finite outputs and gradients
     that match fp64, in both Triton ops."""
     inputs = rwkv7_inputs(T=40, H=2, dtype=torch.bfloat16)
@@ -441,8 +446,9 @@ def test_failure3_rwkv7_nan_outputs_rejected_inputs_and_finite_bf16():
         check_against_naive(fn, inputs)
 
 
-def test_failure5_inputs_not_modified_and_chunk_agrees_with_recurrent():
-    """known-failures.md 5 (chunked and recurrent disagreeing because one path modified w in place):
+def test_inputs_not_modified_and_chunk_agrees_with_recurrent():
+    """docs/known-failures.md#chunked-and-recurrent-kernels-disagree (chunked and recurrent disagreeing
+    because one path modified w in place):
     no kernel modifies its inputs in the forward or the backward, and chunk and recurrent agree with
     each other and with fp64, state gradients included."""
     inputs = rwkv7_inputs(T=70, H=2)
@@ -476,7 +482,8 @@ def test_value_checks_off_still_safe():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_long_sequence_gate_at_bound(dtype):
-    """Hazard 8/11 on the GPU: T = 4096 with w at the bound over the whole sequence (centred C = 64)."""
+    """16-bit inputs, RWKV7 gate bound on the GPU: T = 4096 with w at the bound over the whole sequence
+    (centred C = 64)."""
     inputs = rwkv7_inputs(B=1, T=4096, H=2, K=64, V=64, dtype=dtype, decay=LB)
     check_against_naive(chunk_centred, inputs, ratio=1e-2)
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from flame.config import to_toml
@@ -179,3 +180,20 @@ def send_when(proc: subprocess.Popen, sig: signal.Signals, ready, timeout: float
     wait_for(lambda: ready() or proc.poll() is not None, timeout, f"the moment to send {sig.name}")
     assert proc.poll() is None, "the run ended before the signal was sent"
     proc.send_signal(sig)
+
+
+def assert_same_run(dump, reference, steps=STEPS, exact=True):
+    """`dump` ended where the reference did: every logged loss (each restart's, repeated steps
+    included) and every tensor of the final checkpoint; bitwise, or within fp32 rounding."""
+    ref_losses, ref_tensors = reference
+    for record in metrics(dump):
+        expected = ref_losses[record["step"]]
+        assert record["loss"] == (expected if exact else pytest.approx(expected, rel=1e-5)), record
+    assert sorted(losses(dump)) == list(range(1, steps + 1))
+    final = checkpoint_tensors(dump / "checkpoint" / f"step-{steps}")
+    assert final.keys() == ref_tensors.keys()
+    for key, value in ref_tensors.items():
+        if exact:
+            assert torch.equal(final[key], value), key
+        else:
+            torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -17,11 +17,16 @@ def losses(tmp_path, name, **training):
     return out
 
 
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory):
+    """The eager model's losses, once for every activation-checkpointing policy compared with it."""
+    return losses(tmp_path_factory.mktemp("compile"), "eager")
+
+
 @pytest.mark.parametrize("ac", ["full", "selective", "elementwise"])
-def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tmp_path, ac):
-    eager = losses(tmp_path, "eager")
+def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tmp_path, eager_losses, ac):
     compiled = losses(tmp_path, f"compiled-{ac}", compile=True, activation_checkpoint=ac)
-    assert compiled == pytest.approx(eager, rel=1e-4)
+    assert compiled == pytest.approx(eager_losses, rel=1e-4)
 
 
 GPU_MODELS = {

@@ -19,7 +19,7 @@ Using the core (all tensors token-major and contiguous: q, k, g [B, T, H, K], v 
     A, _     = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, DT, BK)
     h, ht    = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)
     o        = chunk_output(q, v, gc, h, A, layout, scale, exclusive, DT, BK, BV)
-    # backward (recompute gc; A saved from the forward; dht may be None)
+    # backward (recompute gc; A saved from the forward; dht may be None; h=<the forward's h> if it kept them)
     h, dh, dh0 = chunk_states_fwd_bwd(q, k, v, do, gc, layout, h0, dht, scale, exclusive, need_dh0, DT)
     dv, dA, dAd    = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, exclusive, u is not None, DT, BK, BV)
     dq, dk, dg, du = chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout, scale, exclusive, DT, BK, BV)
@@ -28,19 +28,16 @@ A is the intra-chunk matrix, fp32 [B, T, H, BT] (scale and the bonus included, z
 diagonal); dA its gradient in the same layout (scaled, masked), dAd the bonus diagonal [B, T, H].
 The state passes pick the walk or the split pass (`walks`, state.py); where `walks` is false, the intra
 kernel can form the split pass's local terms alongside A (`chunk_intra_fwd(..., v=v)`, then
-`chunk_scan_states` in place, as RWKV6 does). The older one-call entry points remain, each computing
-what it needs itself:
-    o       = chunk_output_fwd(q, k, v, gc, h, layout, scale, exclusive, u, DT, BK, BV)
-    dh, dh0 = chunk_state_bwd(q, do, gc, layout, dht, scale, exclusive, need_dh0, DT)   # alone
-    dq, dk, dg, du = chunk_dqkg_bwd(q, k, v, g, gc, u, h, do, dh, layout, scale, exclusive, DT, BK, BV)
-    dv      = chunk_dv_bwd(q, k, v, gc, u, do, dh, layout, scale, exclusive, DT, BK, BV)
+`chunk_scan_states` in place, as RWKV6 does). A family that does not keep A recomputes it with
+`chunk_intra_fwd` in the backward; `chunk_dv_dA_bwd(..., with_dv=False)` / `(..., with_dA=False)` form dA
+and dv alone, where they need different V-blocks (GSA).
 
 h0/ht/dh0/dht are [N, H, K, V] fp32 (N = B, or the number of packed sequences); h/dh are the
 per-chunk states [num_chunks, H, K, V] fp32. dg is the gradient of the raw log-gate g (natural
 units), by the reverse-cumsum identity. du is [H, K] fp32. o, dq, dk, dv, dg have the dtypes of v,
 q, k, v, g.
 
-Stability (kernels.md 0.4, 1.3): the cumsums are chunk-local fp32; every exponent is <= 0, with
+Stability (docs/kernels.md#stable-decay-placement): the cumsums are chunk-local fp32; every exponent is <= 0, with
 the intra-chunk matrix factored around a reference row that lies between the query and key rows
 (the row before the query sub-chunk; for the exclusive query this is the cumsum one position before
 the block); rows beyond a sequence end are selected out of every exponent (exp2(-inf) = 0). No
@@ -75,11 +72,11 @@ import triton
 import triton.language as tl
 
 from .cumsum import chunk_local_cumsum
-from .grads import chunk_dqkg_bwd, chunk_dqkg_from_dA, chunk_dv_bwd, chunk_dv_dA_bwd
+from .grads import chunk_dqkg_from_dA, chunk_dv_dA_bwd
 from .layout import ChunkLayout, chunk_layout
-from .output import chunk_intra_fwd, chunk_output, chunk_output_fwd
-from .state import (chunk_local_states, chunk_scan_states, chunk_state_bwd, chunk_state_fwd, chunk_states_fwd_bwd,
-                    chunk_states_walk, walks)
+from .output import chunk_intra_fwd, chunk_output
+from .state import (chunk_local_states, chunk_scan_states, chunk_state_fwd, chunk_states_fwd_bwd, chunk_states_walk,
+                    walks)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -103,8 +100,7 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
 
 
 __all__ = [
-    "ChunkLayout", "block_sizes", "chunk_dqkg_bwd", "chunk_dqkg_from_dA", "chunk_dv_bwd", "chunk_dv_dA_bwd",
-    "chunk_intra_fwd", "chunk_layout", "chunk_local_cumsum", "chunk_local_states", "chunk_output",
-    "chunk_output_fwd", "chunk_scan_states", "chunk_state_bwd", "chunk_state_fwd", "chunk_states_fwd_bwd",
-    "chunk_states_walk", "dot_dtype", "walks",
+    "ChunkLayout", "block_sizes", "chunk_dqkg_from_dA", "chunk_dv_dA_bwd", "chunk_intra_fwd", "chunk_layout",
+    "chunk_local_cumsum", "chunk_local_states", "chunk_output", "chunk_scan_states", "chunk_state_fwd",
+    "chunk_states_fwd_bwd", "chunk_states_walk", "dot_dtype", "walks",
 ]

@@ -1,4 +1,4 @@
-"""Chunk-local cumulative sum of a log-gate, in fp32, pre-scaled by log2(e) (kernels.md 0.1, 0.5)."""
+"""Chunk-local cumulative sum of a log-gate, in fp32, pre-scaled by log2(e) (docs/kernels.md#base-2-exponents)."""
 
 from __future__ import annotations
 

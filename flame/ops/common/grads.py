@@ -9,7 +9,7 @@ The dv kernel writes dA (scaled, masked to the intra triangle, fp32 [B, T, H, BT
 a bonus u, the diagonal scale (do_τ . v_τ) [B, T, H]; the dq/dk kernel reads dA back, whole for
 the off-diagonal sub-block products and by single entries (gathered loads) for the exact diagonal
 sub-blocks. The intra parts use the same sub-chunk reference points as the forward (every
-exponent <= 0). The gate gradient follows identity I2 (kernels.md 0.3, 1.4): with P = q * dq' and
+exponent <= 0). The gate gradient follows identity I2 (docs/kernels.md#rwkv6-chunked-backward): with P = q * dq' and
 D = k * dk' (dq', dk' without the bonus terms),
     dg_m = Σ_{τ >= m} (P - D)_τ  [- P_m if EXCLUSIVE]  +  exp(Γ_L) * rowsum(S_in * dS_out) + Σ_j k_j * dk^state_j
 No autograd through exp, no per-pair gradient stored, no atomics: the bonus gradient is written
@@ -24,7 +24,6 @@ import triton.language as tl
 
 from .intra import load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm, mm_tf32
 from .layout import ChunkLayout, chunk_span
-from .output import chunk_intra_fwd
 
 DV_WARPS = 4      # launch settings (module constants so that a benchmark can sweep them)
 DQKG_WARPS = 4
@@ -230,22 +229,3 @@ def chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout: ChunkLayou
         EXCLUSIVE=exclusive, HAS_U=u is not None, DT=dot_dtype, num_warps=num_warps or DQKG_WARPS, num_stages=1)
     return dq, dk, dg, (du.sum(0) if du is not None else None)
 
-
-def chunk_dqkg_bwd(q, k, v, g, gc, u, h, do, dh, layout: ChunkLayout, scale: float, exclusive: bool,
-                   dot_dtype, block_k: int, block_v: int, sub_chunk: int = 16, num_warps: int | None = None):
-    """dq, dk (dtypes of q, k), dg (dtype of g) [B, T, H, K], and du [H, K] fp32 (None without u);
-    dA computed here (use chunk_dv_dA_bwd + chunk_dqkg_from_dA to share it with dv)."""
-    _, dA, dAd = chunk_dv_dA_bwd(None, v, None, None, do, None, layout, scale, exclusive, u is not None,
-                                 dot_dtype, block_k, block_v, with_dv=False)
-    return chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout, scale, exclusive,
-                              dot_dtype, block_k, block_v, sub_chunk, num_warps)
-
-
-def chunk_dv_bwd(q, k, v, gc, u, do, dh, layout: ChunkLayout, scale: float, exclusive: bool,
-                 dot_dtype, block_k: int, block_v: int, sub_chunk: int = 16, intra_warps: int | None = None):
-    """dv [B, T, H, V] in v's dtype (A recomputed here; use chunk_dv_dA_bwd with the forward's A)."""
-    A, _ = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, dot_dtype, block_k, sub_chunk=sub_chunk,
-                           num_warps=intra_warps)
-    dv, _, _ = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, exclusive, False, dot_dtype,
-                               block_k, block_v, with_dA=False)
-    return dv

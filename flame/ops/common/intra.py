@@ -40,8 +40,8 @@ def truncate_to_tf32(x):
 @triton.jit
 def mm_tf32(a, b, DT: tl.constexpr):
     """a @ b for fp32 operands that should not be rounded to 16 bits (e.g. dA, A in the backward;
-    kernels.md 1.4): TF32 products (10-bit mantissas, fp32 accumulation) for 16-bit inputs, full
-    fp32 for fp32 inputs. Under the interpreter TF32 is emulated by truncating the operands."""
+    docs/kernels.md#rwkv6-chunked-backward): TF32 products (10-bit mantissas, fp32 accumulation)
+    for 16-bit inputs, full fp32 for fp32 inputs. Under the interpreter TF32 is emulated by truncating the operands."""
     if DT == tl.float32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif INTERPRET:
@@ -124,7 +124,7 @@ def intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale,
 
     Off-diagonal sub-blocks (query sub-chunk s, keys before it) factor the decay around the
     reference n = the row before sub-chunk s (clamped to the last valid row), so both factors
-    exp(Γq - Γ_n) and exp(Γ_n - Γ_j) are <= 1 for any decay (kernels.md 1.3, the fix of bug 1).
+    exp(Γq - Γ_n) and exp(Γ_n - Γ_j) are <= 1 for any decay (docs/kernels.md#stable-decay-placement).
     The BC x BC diagonal sub-blocks use the exact per-pair exponent.
     """
     rows = tl.arange(0, BT)

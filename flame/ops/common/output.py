@@ -1,9 +1,10 @@
 """The forward's chunk-parallel kernels: the intra-chunk matrix A (stored), and the output from it.
 
-o = scale (q * exp(Γq)) S_in + A v   (kernels.md 1.2), with A [BT, BT] per (chunk, head) stored in
-fp32 as [B, T, H, BT] (row τ of chunk c at token t0 + τ), zero above the diagonal and in the columns
->= the chunk's length; the backward reuses it (dv = A^T do + ...). The A kernel can also write the
-chunk's local state term Δ = Σ_j (k_j * exp(Γ_L - Γ_j)) v_j^T (state.py) while k and Γ are loaded.
+o = scale (q * exp(Γq)) S_in + A v   (docs/kernels.md#rwkv6-chunked-forward), with A [BT, BT] per
+(chunk, head) stored in fp32 as [B, T, H, BT] (row τ of chunk c at token t0 + τ), zero above the
+diagonal and in the columns >= the chunk's length; the backward reuses it (dv = A^T do + ...). The A
+kernel can also write the chunk's local state term Δ = Σ_j (k_j * exp(Γ_L - Γ_j)) v_j^T (state.py)
+while k and Γ are loaded.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _intra_fwd_kernel(q, k, v, gc, u, A, h, cu_seqlens, chunk_indices, scale,
 
     Off-diagonal sub-blocks (query sub-chunk s, keys before it): tensor-core products factored
     around the reference n = the row before sub-chunk s (clamped to the last valid row), so both
-    exp(Γq - Γ_n) and exp(Γ_n - Γ_j) are <= 1 for any decay (kernels.md 1.3, the fix of bug 1).
+    exp(Γq - Γ_n) and exp(Γ_n - Γ_j) are <= 1 for any decay (docs/kernels.md#stable-decay-placement).
     The BC x BC diagonal sub-blocks: exact per-pair exponents, in the [NB, BC, BK] view of the
     chunk (NB = BT // BC sub-chunks), key column c of every sub-chunk at once (NB rows loaded per c),
     collected in an [NB, BC, BC] tile and stored at columns s * BC + (0..BC-1).
@@ -157,11 +158,3 @@ def chunk_output(q, v, gc, h, A, layout: ChunkLayout, scale: float, exclusive: b
         H=H, K=K, V=V, BT=layout.chunk_size, BK=block_k, BV=block_v, EXCLUSIVE=exclusive, DT=dot_dtype,
         num_warps=OUTPUT_WARPS, num_stages=1)
     return o
-
-
-def chunk_output_fwd(q, k, v, gc, h, layout: ChunkLayout, scale: float, exclusive: bool, u, dot_dtype,
-                     block_k: int, block_v: int, sub_chunk: int = 16, intra_warps: int | None = None):
-    """o [B, T, H, V] in v's dtype from the per-chunk states h of `chunk_state_fwd` (A computed and dropped)."""
-    A, _ = chunk_intra_fwd(q, k, gc, u, layout, scale, exclusive, dot_dtype, block_k, sub_chunk=sub_chunk,
-                           num_warps=intra_warps)
-    return chunk_output(q, v, gc, h, A, layout, scale, exclusive, dot_dtype, block_k, block_v)

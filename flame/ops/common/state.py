@@ -1,8 +1,8 @@
 """The passes over chunks: the per-chunk states of the forward and the per-chunk state gradients.
 
-The forward state recurrence over chunks (kernels.md 1.2 stage 2, identity I1) is
+The forward state recurrence over chunks (docs/kernels.md#chunk-decomposition-i1) is
     S_in(c+1) = exp(Γ_L(c)) * S_in(c) + Δ(c),    Δ(c) = Σ_j (k_j * exp(Γ_L - Γ_j)) v_j^T
-and the reverse state-gradient recurrence (1.4 step 2) is
+and the reverse state-gradient recurrence (docs/kernels.md#rwkv6-chunked-backward, step 2) is
     dS_out(c-1) = exp(Γ_L(c)) * dS_out(c) + Δ'(c),    Δ'(c) = scale Σ_τ (q_τ * exp(Γq_τ)) do_τ^T.
 Two ways to run them, with the same products and the same fp32 states:
 - the walk (`_walk_kernel`): one program per (sequence, head, K-block x V-block) walks the chunks of
@@ -32,10 +32,9 @@ from .layout import ChunkLayout, chunk_span
 
 LOCAL_WARPS = 4   # launch settings (module constants so that a benchmark can sweep them)
 SCAN_BLOCK = 512  # state elements per scan program
-# The walk: 4 warps, 3 pipeline stages (the next chunks' loads in flight), tiles of up to 64 x 64, and
-# taken from 128 programs up. fwd + bwd state passes at B8 T2048 bf16 on the H100: GSA (H4, K 64,
-# V 256; 128 programs) 0.104 ms walking, 0.232 split; RWKV6 (H16, K = V = 64; 128 programs) 0.151
-# and 0.232. At B1 T16384 (16 programs, 256-step chains) the split pass is faster: 0.27 against 0.36.
+# The walk: 4 warps, 3 pipeline stages (the next chunks' loads in flight), tiles of up to 64 x 64; taken
+# from 128 programs up, where it beat the split pass on the shapes tried (with fewer, longer chains the
+# split pass wins; see bench/RESULTS.md, whole training step, for the state passes' share of a step)
 WALK_WARPS = 4
 WALK_STAGES = 3
 WALK_BLOCK = 64
@@ -294,28 +293,22 @@ def chunk_state_fwd(k, v, gc, layout: ChunkLayout, h0, output_final_state: bool,
     return chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
 
 
-def chunk_state_bwd(q, do, gc, layout: ChunkLayout, dht, scale: float, exclusive: bool, need_dh0: bool, dot_dtype):
-    """Per-chunk gradients of the leaving states dh [num_chunks, H, K, V] fp32, and dh0 (or None).
-
-    dS_in = exp(Γ_L) * dS_out + scale (q * exp(Γq))^T do, starting from dht (or 0) at the end.
-    """
-    if walks(layout, q.shape[2], q.shape[3], do.shape[3]):
-        _, _, dh, dh0 = chunk_states_walk(q, None, None, do, gc, layout, None, dht, scale, exclusive, dot_dtype,
-                                          fwd=False, bwd=True, need_dh0=need_dh0)
-        return dh, dh0
-    _, dh = chunk_local_states(q, None, None, do, gc, layout, scale, exclusive, dot_dtype, fwd=False, bwd=True)
-    return chunk_scan_states(dh, gc, layout, dht, need_dh0, reverse=True)
-
-
 def chunk_states_fwd_bwd(q, k, v, do, gc, layout: ChunkLayout, h0, dht, scale: float, exclusive: bool,
-                         need_dh0: bool, dot_dtype):
-    """The backward's two state passes together: (h, dh, dh0 or None), as `chunk_state_fwd` (without the
-    final state) and `chunk_state_bwd` give them, in one walk launch or one launch of local terms."""
-    if walks(layout, k.shape[2], k.shape[3], v.shape[3]):
-        h, _, dh, dh0 = chunk_states_walk(q, k, v, do, gc, layout, h0, dht, scale, exclusive, dot_dtype,
-                                          fwd=True, bwd=True, need_dh0=need_dh0)
-        return h, dh, dh0
-    h, dh = chunk_local_states(q, k, v, do, gc, layout, scale, exclusive, dot_dtype, fwd=True, bwd=True)
-    h, _ = chunk_scan_states(h, gc, layout, h0, False, reverse=False)
+                         need_dh0: bool, dot_dtype, h=None):
+    """The backward's state passes: (h, dh, dh0 or None). h: the per-chunk entering states, as
+    `chunk_state_fwd` gives them (without the final state); dh [num_chunks, H, K, V] fp32: the gradients
+    of the leaving states, dS_in = exp(Γ_L) * dS_out + scale (q * exp(Γq))^T do from dht (or 0) at the
+    end; dh0 the last of them. Both passes run in one walk launch or one launch of local terms; given
+    `h` (a forward that kept its states), only the reverse pass runs (k, v and h0 unused) and h comes
+    back as given."""
+    fwd = h is None
+    k, v, h0 = (k, v, h0) if fwd else (None, None, None)
+    if walks(layout, q.shape[2], q.shape[3], do.shape[3]):
+        h_, _, dh, dh0 = chunk_states_walk(q, k, v, do, gc, layout, h0, dht, scale, exclusive, dot_dtype,
+                                           fwd=fwd, bwd=True, need_dh0=need_dh0)
+        return (h_ if fwd else h), dh, dh0
+    h_, dh = chunk_local_states(q, k, v, do, gc, layout, scale, exclusive, dot_dtype, fwd=fwd, bwd=True)
+    if fwd:
+        h, _ = chunk_scan_states(h_, gc, layout, h0, False, reverse=False)
     dh, dh0 = chunk_scan_states(dh, gc, layout, dht, need_dh0, reverse=True)
     return h, dh, dh0

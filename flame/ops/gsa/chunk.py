@@ -10,7 +10,7 @@ from .chunk_torch import chunk_gsa_torch
 
 def chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
               backend="auto"):
-    """Gated slot attention (kernels.md 3.1) in chunked form.
+    """Gated slot attention (docs/kernels.md#gsa-recurrence) in chunked form.
 
     Args:
         q: [B, T, HQ, K] token-major, HQ = G * H (query head j reads key/value head j // G).

@@ -1,4 +1,4 @@
-"""GSA in chunked form, in PyTorch (kernels.md 3.2): two gated passes around a softmax; autograd.
+"""GSA in chunked form, in PyTorch (docs/kernels.md#gsa-chunked-forward): two gated passes around a softmax; autograd.
 
 Per chunk with G the inclusive chunk-local cumsum of the slot log-forget g:
 

@@ -1,15 +1,16 @@
-"""Triton chunked GSA (kernels.md 3.2, 3.3): two gated-linear-attention passes around an fp32 softmax.
+"""Triton chunked GSA: two gated-linear-attention passes around an fp32 softmax
+(docs/kernels.md#gsa-chunked-forward, #gsa-chunked-backward).
 
 Both passes share the gate g on the slot axis M and its fp32 chunk-local cumsum (flame.ops.common).
 
 Pass V (slots -> values, gate on the slot ROWS of Hv [M, V]) is exactly the core's key-side GLA,
 inclusive, with q = p (fp32 slot probabilities), k = s, v = v, scale 1: forward and backward are the
-core's kernels, unchanged.
+core's staged kernels, unchanged (the intra matrix A recomputed in the backward rather than kept).
 
 Pass K (keys -> slots, gate on the slot COLUMNS of Hk [K, M]) is run on the transposed state
 Hk^T [M, K] = diag(a_t) Hk^T_{t-1} + s_t k_t^T, which is again a key-side GLA state, so
 - the state pass is the core's `chunk_state_fwd(k=s, v=k)`;
-- the reverse state-gradient pass is the core's `chunk_state_bwd(q=dz, do=q)`, because
+- the reverse state-gradient pass is the core's `chunk_states_fwd_bwd(q=dz, k=s, v=k, do=q)`, because
   dHk^T_in = e^{G_L} dHk^T_out + scale sum_tau (dz_tau e^{G_tau}) q_tau^T;
 - dA_{tau j} = sum_m dz_tau[m] s_j[m] e^{G_tau[m] - G_j[m]} is the core's `intra_chunk_matrix(dz, s)`.
 What the core does not have (its docstring says so) is the READ of a column-gated state: the slot
@@ -36,8 +37,8 @@ import triton
 import triton.language as tl
 
 from ..backend import run_eager
-from ..common import (block_sizes, chunk_dqkg_bwd, chunk_dv_bwd, chunk_layout, chunk_local_cumsum,
-                      chunk_output_fwd, chunk_state_bwd, chunk_state_fwd, dot_dtype)
+from ..common import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
+                      chunk_local_cumsum, chunk_output, chunk_state_fwd, chunk_states_fwd_bwd, dot_dtype)
 from ..common.intra import intra_chunk_matrix, load_row, load_rows, mm
 from ..common.layout import chunk_span
 
@@ -210,15 +211,15 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, dq, dk, ds, dg, cu_seqlens, chu
     tl.store(dg + off, dg_, mask=m)
 
 
-# V-block width of the pass-V output and dv kernels of the core: each V-block recomputes the
-# intra-chunk matrix, so wider blocks recompute it less often (at more registers per program)
+# V-block width of the pass-V output and dv kernels of the core: each V-block loads the intra-chunk
+# matrix and the query or key tiles again, so wider blocks load them less often (at more registers)
 _VALUE_BLOCK = 128
 
 
 # Operand dtype of the column-gated read kernels (_slots_fwd_kernel, _slots_bwd_kernel): fp32 for
 # M <= _SLOT_FP32_MAX_M slots, else the input dtype. With bf16 operands at M = 32 (K = 64), triton 3.6
 # on the H100 compiles them into code that crashes a bf16 GSA model
-# (tests/models/test_gpu.py::test_failure3_..._triton[gsa], an illegal memory access, at any warp
+# (tests/models/test_gpu.py::test_fresh_model_is_finite_in_bf16_on_cuda_triton[gsa], an illegal memory access, at any warp
 # count of the core kernels and at num_stages 1 or 3). compute-sanitizer reports out-of-bounds
 # __shared__ reads of 1024 bytes inside their tl.dot (intra.mm) at num_stages 3, none at 1 (where the
 # plain run still crashes); an op-level run with the model's shapes and random inputs does not crash,
@@ -229,14 +230,20 @@ _VALUE_BLOCK = 128
 _SLOT_FP32_MAX_M = 32
 _SLOT_WARPS = 4
 _SLOT_STAGES = 1
-# the common core's intra (A) and dq/dk/dg kernels run wider for GSA's value pass (slots -> values,
-# V = 256 at 340M): fwd+bwd 2.25 ms against 2.95 ms at the core's default 4 warps (H100, B8 T2048 H4
-# K=V=256 M64 bf16); the core's other kernels keep their defaults.
+# 8 warps for the common core's intra (A) and dq/dk/dg kernels in GSA's wide value pass (slots ->
+# values): faster than the core's default 4 at the 340M shapes (bench/RESULTS.md, kernels: chunk_gsa);
+# the core's other kernels keep their defaults.
 _CORE_WARPS = 8
 
 
 def _value_block(V: int) -> int:
     return min(_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))
+
+
+def _value_intra(p, s, gc, layout, DT, BM):
+    """Pass V's intra-chunk matrix A [B, T, H, BT] fp32 (p against s, inclusive, scale 1)."""
+    A, _ = chunk_intra_fwd(p, s, gc, None, layout, 1.0, False, DT, BM, num_warps=_CORE_WARPS)
+    return A
 
 
 def _slot_blocks(K: int, M: int) -> tuple[int, int]:
@@ -298,13 +305,6 @@ def _first_of_group(dht, NG):
     return out
 
 
-def _forward_states(q, k, v, s, g, hk0T, hv0, layout, DT, output_final_state, gc=None):
-    gc = chunk_local_cumsum(g, layout) if gc is None else gc
-    hk, hkT = chunk_state_fwd(s, k, gc, layout, hk0T, output_final_state, DT)
-    hv, hvT = chunk_state_fwd(s, v, gc, layout, hv0, output_final_state, DT)
-    return gc, hk, hkT, hv, hvT
-
-
 def _forward(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, chunk_size, recompute_level):
     """o, the final state pair (hk [N, H, K, M], hv [N, H, M, V] fp32, or None, None) and what the backward
     reads: (hk0^T and hv0 repeated over the query groups, z, p, then the cumsum and the per-chunk states
@@ -317,11 +317,13 @@ def _forward(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, chu
     hv0_ = None if hv0 is None else _repeat(hv0, NG, 1).contiguous()
     layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
     DT = dot_dtype(q.dtype)
-    gc, hk, hkT, hv, hvT = _forward_states(q, k_, v_, s_, g_, hk0T, hv0_, layout, DT, output_final_state)
+    gc = chunk_local_cumsum(g_, layout)
+    hk, hkT = chunk_state_fwd(s_, k_, gc, layout, hk0T, output_final_state, DT)
+    hv, hvT = chunk_state_fwd(s_, v_, gc, layout, hv0_, output_final_state, DT)
     z, p = slots_fwd(q, k_, s_, gc, hk, layout, scale, DT)
     BM, _ = block_sizes(M, V)
-    o = chunk_output_fwd(p, s_, v_, gc, hv, layout, 1.0, False, None, DT, BM, _value_block(V),
-                         intra_warps=_CORE_WARPS)
+    A = _value_intra(p, s_, gc, layout, DT, BM)
+    o = chunk_output(p, v_, gc, hv, A, layout, 1.0, False, DT, BM, _value_block(V))
     if output_final_state:
         hkT = hkT[:, ::NG].transpose(-1, -2).contiguous()
         hvT = hvT[:, ::NG].contiguous()
@@ -338,26 +340,28 @@ def _backward(q, k, v, s, g, hk0T, hv0_, z, p, gc, hk, hv, scale, cu_seqlens, ch
     k_, v_, s_, g_ = (_repeat(x, NG, 2) for x in (k, v, s, g))
     layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
     DT = dot_dtype(q.dtype)
-    if hk is None:
-        gc, hk, _, hv, _ = _forward_states(q, k_, v_, s_, g_, hk0T, hv0_, layout, DT, False, gc)
-    elif gc is None:
-        gc = chunk_local_cumsum(g_, layout)
+    gc = chunk_local_cumsum(g_, layout) if gc is None else gc
     do = do.contiguous()
     dhkT_ = None if dhkT is None else _first_of_group(dhkT.float().transpose(-1, -2).contiguous(), NG)
     dhvT_ = None if dhvT is None else _first_of_group(dhvT.float().contiguous(), NG)
     BM, BV = block_sizes(M, V)
 
-    # pass V: the core's key-side GLA backward with q = p, k = s (fp32 copies give fp32 ds, dg)
-    dhv, dhv0 = chunk_state_bwd(p, do, gc, layout, dhvT_, 1.0, False, hv0_ is not None, DT)
-    s32 = s_.float()
-    dp, ds_v, dg_v, _ = chunk_dqkg_bwd(p, s32, v_, gc, gc, None, hv, do, dhv, layout, 1.0, False, DT, BM, BV,
-                                       num_warps=_CORE_WARPS)
-    dv = chunk_dv_bwd(p, s_, v_, gc, None, do, dhv, layout, 1.0, False, DT, BM, _value_block(V),
-                      intra_warps=_CORE_WARPS)
+    # pass V: the core's key-side GLA backward with q = p, k = s (fp32 copies give fp32 ds, dg); the
+    # states come from the forward (recompute levels 0 and 1) or again with their gradients (level 2)
+    hv, dhv, dhv0 = chunk_states_fwd_bwd(p, s_, v_, do, gc, layout, hv0_, dhvT_, 1.0, False, hv0_ is not None, DT,
+                                         h=hv)
+    # dv over the wide value blocks; dA alone, over the V-blocks of the dq/dk/dg kernel that reads it
+    A = _value_intra(p, s_, gc, layout, DT, BM)
+    dv, _, _ = chunk_dv_dA_bwd(s_, v_, gc, A, do, dhv, layout, 1.0, False, False, DT, BM, _value_block(V),
+                               with_dA=False)
+    _, dA, _ = chunk_dv_dA_bwd(None, v_, None, None, do, None, layout, 1.0, False, False, DT, BM, BV, with_dv=False)
+    dp, ds_v, dg_v, _ = chunk_dqkg_from_dA(p, s_.float(), v_, gc, gc, None, hv, do, dhv, dA, None, layout, 1.0,
+                                           False, DT, BM, BV, num_warps=_CORE_WARPS)
     # softmax over slots, fp32
     dz = p * (dp - (p * dp).sum(-1, keepdim=True))
-    # pass K: transposed state gradients from the core, then the column-gated read backward
-    dhk, dhk0T = chunk_state_bwd(dz, q, gc, layout, dhkT_, scale, False, hk0T is not None, DT)
+    # pass K: transposed states and state gradients from the core, then the column-gated read backward
+    hk, dhk, dhk0T = chunk_states_fwd_bwd(dz, s_, k_, q, gc, layout, hk0T, dhkT_, scale, False, hk0T is not None,
+                                          DT, h=hk)
     dq, dk, ds_k, dg_k = slots_bwd(q, k_, s_, gc, hk, dhk, z, dz, layout, scale, DT)
 
     dk = _group_sum(dk, NG, 2)

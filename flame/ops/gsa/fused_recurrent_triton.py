@@ -1,4 +1,4 @@
-"""Triton kernels of the step-by-step GSA recurrence (kernels.md 3.1, 3.4), forward and backward.
+"""Triton kernels of the step-by-step GSA recurrence (docs/kernels.md#gsa-recurrent-kernel), forward and backward.
 
 Per (sequence, key/value head), with the slot gate a_t = exp(g_t) and inclusive reads:
 
@@ -18,7 +18,8 @@ Backward (states and state gradients in fp32):
      query-side gate term z dz + p dp summed over the group;
   3. `_bwd_values`: reverse in time over pass V, dHv, dv, the V-side ds per V-block and dHv0;
   4. `_bwd_slots`: reverse in time over pass K, dHk, dk, ds, dHk0, and dg by identity I2
-     (kernels.md 0.3): dg_t = sum_{tau >= t} (z dz + p dp - s ds)_tau + the final-state term
+     (docs/kernels.md#gate-gradients-by-reverse-cumsum-i2):
+     dg_t = sum_{tau >= t} (z dz + p dp - s ds)_tau + the final-state term
      colsum(HkT * dHkT) + rowsum(HvT * dHvT), accumulated in fp32 in registers.
 """
 

@@ -1,4 +1,4 @@
-"""The GSA (gated slot attention) recurrence, step by step (kernels.md section 3.1): the test oracle.
+"""The GSA (gated slot attention) recurrence, step by step (docs/kernels.md#gsa-recurrence): the test oracle.
 
 For one (sequence, head), with M slots, key-slot state Hk in R^{K x M}, slot-value state
 Hv in R^{M x V}, alpha_t = exp(g_t) and sc the scale:

@@ -1,7 +1,7 @@
 """linear_cross_entropy: the LM head's matmul and the token cross-entropy, in chunks of rows.
 
-The plain head materialises logits [N, V] and, for the loss, an fp32 copy and its gradient: at
-N = 32768 tokens and V = 32000 that is 4 GiB per fp32 tensor. Here the rows go through in chunks:
+The plain head materialises logits [N, V] and, for the loss, an fp32 copy and its gradient: 4 N V
+bytes per fp32 tensor, gigabytes at a pretraining batch. Here the rows go through in chunks:
 per chunk the logits h_c @ W^T (compute dtype, fp32 accumulation), the per-row loss and the logits
 gradient (rows_torch / rows_triton), then at once grad_h_c = g_c @ W and grad_W += g_c^T @ h_c (fp32).
 The chunk's logits are freed before the next chunk, so the peak holds one chunk of logits, not N rows.

@@ -10,7 +10,7 @@ from .chunk_torch import chunk_rwkv6_torch
 
 def chunk_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
                 backend="auto"):
-    """RWKV6 attention (kernels.md 1.1) in chunked form.
+    """RWKV6 attention (docs/kernels.md#rwkv6-recurrence) in chunked form.
 
     Args:
         r, k, w: [B, T, H, K] token-major (not head-first [B, H, T, K]); w is the log-decay (<= 0:

@@ -1,4 +1,4 @@
-"""RWKV6 in chunked form, in PyTorch (kernels.md 1.2); gradients by autograd.
+"""RWKV6 in chunked form, in PyTorch (docs/kernels.md#rwkv6-chunked-forward); gradients by autograd.
 
 Per chunk with the inclusive / exclusive chunk-local cumsums G / Gx of the log-decay w:
 

@@ -1,4 +1,5 @@
-"""Triton chunked RWKV6 (kernels.md 1.2-1.4) on the shared gated-linear-attention core.
+"""Triton chunked RWKV6 on the shared gated-linear-attention core
+(docs/kernels.md#rwkv6-chunked-forward to #rwkv6-chunked-backward).
 
 RWKV6 is GLA with the gate on the key side, an exclusive query decay and the bonus u on the
 diagonal: exactly the `exclusive=True, u=u` configuration of flame.ops.common. Chunk size 64,

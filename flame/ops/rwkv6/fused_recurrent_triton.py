@@ -1,4 +1,4 @@
-"""Triton fused recurrent RWKV6 (kernels.md 1.5): token by token, forward and backward.
+"""Triton fused recurrent RWKV6 (docs/kernels.md#rwkv6-recurrent-kernel): token by token, forward and backward.
 
 Per (sequence, head), S in R^{K x V} fp32, sc the scale:
     o_t = S_{t-1}^T (sc r_t) + sc (r_t . (u * k_t)) v_t          S_t = exp(w_t) * S_{t-1} + k_t v_t^T
@@ -10,10 +10,10 @@ Backward, three kernels, each deterministic (partials per V-block, reduced in Py
   2. `_bwd_dkv` (reverse in time, from dht): dk'_t = dS_t v_t (per V-block),
      dv_t = dS_t^T k_t + sc (r_t . (u * k_t)) do_t,  dS_{t-1} = exp(w_t) * dS_t + sc r_t do_t^T;  dh0
   3. `_bwd_dw` (reverse in time, one program per sequence * head, all of K): the bonus terms and
-     dw by identity I2 over the whole sequence (kernels.md 0.3):
+     dw by identity I2 over the whole sequence (docs/kernels.md#gate-gradients-by-reverse-cumsum-i2):
         dw_m = Σ_{τ > m} r_τ * dr'_τ - Σ_{j >= m} k_j * dk'_j + rowsum(S_T * dS_T)
      where the last term is the final-state gradient's share (zero without dht). dht is honoured
-     everywhere (unlike fla's fused_recurrent_rwkv6, kernels.md 1.5).
+     everywhere (docs/kernels.md#rwkv6-recurrent-kernel).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The RWKV6 recurrence, step by step (kernels.md section 1.1): the test oracle.
+"""The RWKV6 recurrence, step by step (docs/kernels.md#rwkv6-recurrence): the test oracle.
 
 For one (sequence, head), with the state S in R^{K x V} and sc the scale:
 

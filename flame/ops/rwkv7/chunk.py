@@ -10,7 +10,7 @@ from .chunk_torch import chunk_rwkv7_torch
 
 def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
                 backend="auto", gate_lower_bound=None, cache_intermediates=False, recompute_states=False):
-    """RWKV7 attention (the DPLR delta rule, kernels.md 2.1) in chunked form.
+    """RWKV7 attention (the DPLR delta rule, docs/kernels.md#rwkv7-recurrence) in chunked form.
 
     Args:
         r, w, k, a, b: [B, T, H, K] token-major (not head-first [B, H, T, K]); w is the log-decay
@@ -24,12 +24,12 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
         gate_lower_bound: None, or a promise that w >= this negative bound everywhere (checked when
             value checks are on); kernels may use it for faster stable paths.
         cache_intermediates: Triton backend only (the PyTorch one ignores it): keep the forward's
-            per-chunk intermediates for the backward instead of recomputing them, 1600 bytes per token
-            and head (instead of the 128 that the recomputation starts from) for a faster backward
-            (H100, B8 T2048 H16 D64, bf16: forward+backward 2.36 ms instead of 2.63).
+            per-chunk intermediates for the backward instead of recomputing them: (2 K + C) 16-bit and
+            (K + 4 C) fp32 values per token and head, plus K * K fp32 per chunk and head (instead of
+            the C fp32 values that the recomputation starts from), for a faster backward
+            (bench/RESULTS.md, kernels: chunk_rwkv7_cached).
         recompute_states: Triton backend only (the PyTorch one ignores it): the forward does not keep
-            the per-chunk states (K * V fp32 per chunk and head: 512 bytes per token and head at
-            K = V = 64), and the backward runs the forward scan again for them, in the same launch as
+            the per-chunk states (K * V fp32 per chunk and head), and the backward runs the forward scan again for them, in the same launch as
             its own scan. Combines with cache_intermediates.
 
     Returns:

@@ -1,4 +1,5 @@
-"""RWKV7 in chunked form, in PyTorch: the UT / WY transform of kernels.md 2.2; gradients by autograd.
+"""RWKV7 in chunked form, in PyTorch: the UT / WY transform of
+docs/kernels.md#rwkv7-chunked-form; gradients by autograd.
 
 Per chunk with the inclusive / exclusive chunk-local cumsums G / Gx of the log-decay w, the
 pseudo-values P (p_t = a_t^T S_{t-1}) solve a unit lower-triangular system:

@@ -1,4 +1,4 @@
-"""The RWKV7 (DPLR delta rule) recurrence, step by step (kernels.md section 2.1): the test oracle.
+"""The RWKV7 (DPLR delta rule) recurrence, step by step (docs/kernels.md#rwkv7-recurrence): the test oracle.
 
 For one (sequence, head), with the state S in R^{K x V} and sc the scale:
 

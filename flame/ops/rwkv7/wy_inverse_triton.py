@@ -8,12 +8,13 @@ because (I - L) = (I - L_d)(I - D L_o) and (D L_o)^2 = 0 within one merge level.
 two products each, starting from D = I (the 1x1 blocks of I - L are 1), so that the first level is
 I + L_o itself, formed by a select (exact, and two products shorter on the serial chain).
 
-Why not the nilpotent product (I + L_d)(I + L_d^2)(I + L_d^4)(I + L_d^8) on 16x16 blocks (kernels.md
-2.2, fewer products): with the trained RWKV7-340M head's aligned kappa, |M^ab| reaches 0.82 and the
-powers grow binomially (|L_d^8| up to 6e2) while the inverse stays <= 1, so their sum cancels: 1.5e-5
-relative error in 3xTF32 and 25% with one-pass TF32 products. Every factor of the merges is an
-inverse block or a block of L (both <= 1 there): 1e-7 in 3xTF32, 8e-4 in TF32, 7e-7 after the
-Newton step of `unit_lower_inverse` (tests/ops/test_rwkv7_triton.py).
+Why not the nilpotent product (I + L_d)(I + L_d^2)(I + L_d^4)(I + L_d^8) on 16x16 blocks
+(docs/kernels.md#rwkv7-chunked-form, fewer products): with the trained RWKV7-340M head's aligned
+kappa, |M^ab| reaches 0.82 and the powers grow binomially (|L_d^8| up to 6e2) while the inverse
+stays <= 1, so their sum cancels: 1.5e-5 relative error in 3xTF32 and 25% with one-pass TF32
+products. Every factor of the merges is an inverse block or a block of L (both <= 1 there): 1e-7 in
+3xTF32, 8e-4 in TF32, 7e-7 after the Newton step of `unit_lower_inverse`
+(tests/ops/test_rwkv7_triton.py).
 
 Every product is a tensor-core tl.dot on the whole [BT, BT] tile with block masks (selects), so
 BT in {16, 32, 64}. `unit_lower_inverse` is the @triton.jit helper the chunk kernels call;
@@ -52,8 +53,8 @@ def unit_lower_inverse(L, BT: tl.constexpr, TF32: tl.constexpr, PREC: tl.constex
     PREC product: R is of the size of T0's TF32 error, so its one-pass product T0 R adds only that
     error squared. At BT = 32: 12 passes of [BT, BT] products instead of 24. On the trained head's
     aligned chunks the result is within 7e-7 of fp64 with a 3xTF32 residual and 1.1e-5 with the bf16x3
-    one that 16-bit inputs use (tests/ops/test_rwkv7_triton.py); a 3xTF32 residual makes the WY part
-    6% slower on the H100 and leaves the trained head's outputs and gradients unchanged."""
+    one that 16-bit inputs use (tests/ops/test_rwkv7_triton.py); a 3xTF32 residual is slower and leaves
+    the trained head's outputs and gradients unchanged."""
     if TF32 == 0:
         return _block_doubling_inverse(L, BT, 0, PREC)
     rows = tl.arange(0, BT)[:, None]

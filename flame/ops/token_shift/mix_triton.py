@@ -18,11 +18,9 @@ and is reduced over rows once per program (a reduction per block costs a barrier
 per-program sums are added up afterwards (fp32, in a fixed order: deterministic). All arithmetic
 is fp32 (fp64 for fp64 inputs); outputs round once.
 
-Launches (H100, bf16, B8 T2048 C1024, kernel time): the forward runs at 2.7-2.9 TB/s in all seven
-shapes tried; the backward at 64 channels x 16 rows x 8 blocks on 2 warps takes 150 us for six
-static lerps, 42 us for one and 292 us for RWKV6's five dynamic ones (1.8-2.4 TB/s), the best
-overall of 23 shapes tried (4 or 8 warps, 128 or 256 channels, 32 or 64 rows, 1 or 4 blocks: slower;
-16 blocks: 4% faster for six lerps, 13% slower for two).
+Launch shapes: the forward's tile is memory-bound at every shape tried; the backward's (64 channels
+x 16 rows x 8 blocks on 2 warps) is the fastest overall of the shapes tried (bench/RESULTS.md, whole
+training step, token-shift lerps).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import triton.language as tl
 
 MAX_BRANCHES = 6
 BLOCK_CHANNELS, BLOCK_ROWS, WARPS = 128, 32, 4  # forward
-BLOCK_CHANNELS_BWD, BLOCK_ROWS_BWD, WARPS_BWD, TILES_BWD = 64, 16, 2, 8  # backward (see above)
+BLOCK_CHANNELS_BWD, BLOCK_ROWS_BWD, WARPS_BWD, TILES_BWD = 64, 16, 2, 8  # backward: the fastest shape tried
 
 
 @triton.jit
@@ -103,10 +101,7 @@ def _bwd_branch(d, mu, m, dm, stride_m, offs, mask, offs_after, mask_after, cols
         J: tl.constexpr = I - (N - N_M)
         tl.store(dm + J * stride_m + offs, prod.to(dm.dtype.element_ty), mask=mask)
     d_after = tl.load(d + offs_after, mask=mask_after, other=0).to(ACC)
-    # c_I of the row after, written out rather than through _coefficient. Calling _coefficient here and
-    # moving the s, g sums into this function, both at once, slowed the backward to 204 us from 150 for
-    # six static lerps and to 77 from 57 for two (H100, B8 T2048 C1024). The _coefficient call alone
-    # raises the two-lerp kernel from 168 to 216 registers; it has not been timed on its own.
+    # c_I of the row after, written out rather than through _coefficient, whose call here costs registers
     c_after = tl.load(mu + I * C + cols, mask=m_col, other=0).to(ACC)
     if I >= N - N_M:
         c_after = c_after + tl.load(m + (I - (N - N_M)) * stride_m + offs_after, mask=mask_after, other=0).to(ACC)

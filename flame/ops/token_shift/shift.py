@@ -1,6 +1,6 @@
 """Token shift: the previous token's features, x_{t-1}, with x_0 = 0 at every sequence start.
 
-The RWKV families mix each token with its predecessor (kernels.md section 4). In packed varlen
+The RWKV families mix each token with its predecessor (docs/kernels.md#token-shift). In packed varlen
 mode (`cu_seqlens`, batch 1) every document starts afresh: the token right after a boundary sees
 zeros, never the last token of the previous document. In decoding, `previous` carries the last
 token of the preceding call.

@@ -1,6 +1,6 @@
 """Runs tests on a CUDA GPU machine with the real Triton compiler, in parallel pytest processes.
 
-    python bench/gpu_tests.py --name gsa --groups 8 --timeout 300 tests/ops/test_gsa_triton.py tests/models/test_gpu.py
+    python scripts/gpu_tests.py --name gsa --groups 8 --timeout 300 tests/ops/test_gsa_triton.py tests/models/test_gpu.py
 
 On a GPU machine the suite's time is Triton's compile time, one CPU core per pytest process, so
 the tests of PYTEST_ARGS are collected and dealt round robin to --groups pytest processes that run

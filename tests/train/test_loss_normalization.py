@@ -1,4 +1,5 @@
-"""Known failure 4 (shared/spec/known-failures.md): abnormal loss with gradient accumulation.
+"""Abnormal loss with gradient accumulation, a known failure
+(docs/known-failures.md#loss-scaled-by-gradient-accumulation).
 
 The loss and gradients of one optimizer step must be identical for any split of the same global
 batch into micro-batches, accumulation steps (and ranks: see test_distributed.py), including
@@ -87,11 +88,11 @@ def run_and_compare(tmp_path, uneven: bool):
     return whole, data
 
 
-def test_known_failure_4_batch8_ga1_equals_batch2_ga4(tmp_path):
+def test_batch8_ga1_equals_batch2_ga4(tmp_path):
     run_and_compare(tmp_path, uneven=False)
 
 
-def test_known_failure_4_uneven_valid_tokens_use_the_token_mean(tmp_path):
+def test_uneven_valid_tokens_use_the_token_mean(tmp_path):
     whole, data = run_and_compare(tmp_path, uneven=True)
 
     # the logged loss is the token mean over the whole step; the mean of micro-batch means is not

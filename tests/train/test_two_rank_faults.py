@@ -1,0 +1,126 @@
+"""Faults of two processes: one rank's signal stops every rank at the same step, a killed or hung
+rank makes the other exit with a message (a stalled step is named before the collective timeout),
+torchrun restarts after SIGKILLs resume; every resumed run matches the uninterrupted one within fp32
+rounding."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from flame.train.preemption import PREEMPTED_EXIT_CODE
+from tests.train import faults
+from tests.train.faults import (
+    assert_same_run, checkpoint_tensors, complete_steps, losses, resumed_from, start_ranks, wait_all,
+    wait_for,
+)
+
+
+TWO_RANK_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def two_rank_reference(config):
+    dump = config.parent / "two-rank-reference"
+    results = wait_all(start_ranks(config, dump, "--training.steps", str(TWO_RANK_STEPS)))
+    assert [r.returncode for r in results] == [0, 0], results[0].output + results[1].output
+    return losses(dump), checkpoint_tensors(dump / "checkpoint" / f"step-{TWO_RANK_STEPS}")
+
+
+@pytest.fixture(scope="module")
+def two_rank_story(config):
+    """Two ranks without a launcher: rank 1 gets SIGUSR1; then rank 1 is killed; then it hangs
+    (1.5 s collective timeout); then the run goes to its end. {stage: (results, seconds)}."""
+    dump = config.parent / "two-ranks"
+    steps = ("--training.steps", str(TWO_RANK_STEPS))
+    stories = {}
+    for stage, faults_, extra in (
+        ("signal", "forward:4:SIGUSR1:rank=1", ()),
+        ("killed", "forward:6:rank=1", ()),
+        ("hung", "forward:6:hang:rank=1", ("--parallel.collective_timeout_minutes", "0.025")),
+        ("end", "", ()),
+    ):
+        ranks = start_ranks(config, dump, *steps, *extra, faults=faults_, tag=stage)
+        began = time.monotonic()
+        if stage == "hung":  # rank 0 must give up on its own; rank 1 sleeps until killed
+            results = [wait_all(ranks[:1], timeout=90)[0]]
+            seconds = time.monotonic() - began
+            ranks[1][0].kill()
+            results += wait_all(ranks[1:])
+        else:
+            results = wait_all(ranks, timeout=90)
+            seconds = time.monotonic() - began
+        stories[stage] = (results, seconds, complete_steps(dump))
+    return dump, stories
+
+
+@pytest.mark.slow
+def test_one_ranks_signal_stops_every_rank_at_the_same_step(two_rank_story):
+    dump, stories = two_rank_story
+    (rank0, rank1), _, complete = stories["signal"]
+    assert (rank0.returncode, rank1.returncode) == (PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE), (
+        rank0.output + rank1.output)
+    assert "step 4: SIGUSR1 received (on another rank)" in rank0.output
+    assert "stopped by SIGUSR1 at step 4" in rank0.output and "stopped by SIGUSR1 at step 4" in rank1.output
+    assert complete == [3, 4]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_makes_the_other_exit_with_a_message(two_rank_story):
+    dump, stories = two_rank_story
+    (rank0, rank1), seconds, _ = stories["killed"]
+    assert rank1.returncode == -signal.SIGKILL
+    assert rank0.returncode == 1, rank0.output
+    # rank 0 was in step 6's forward, with step 5 queued before it and not read yet
+    assert "rank 0: a collective failed after step 4 (the last step this rank finished)" in rank0.output
+    assert "Another rank died or hangs" in rank0.output
+
+
+@pytest.mark.slow
+def test_a_hung_rank_makes_the_other_time_out_with_a_message(two_rank_story):
+    dump, stories = two_rank_story
+    (rank0, rank1), seconds, _ = stories["hung"]
+    assert rank0.returncode == 1, rank0.output
+    assert "rank 0: a collective failed after step 4" in rank0.output
+    assert "Timed out" in rank0.output and "collective_timeout_minutes = 0.025 min" in rank0.output
+    assert resumed_from(rank0.output) == 4
+
+
+@pytest.mark.slow
+def test_the_two_rank_run_resumed_equals_the_uninterrupted_one(two_rank_story, two_rank_reference):
+    dump, stories = two_rank_story
+    results, _, _ = stories["end"]
+    assert [r.returncode for r in results] == [0, 0], results[0].output
+    assert resumed_from(results[0].output) == 4
+    assert_same_run(dump, two_rank_reference, TWO_RANK_STEPS, exact=False)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_after_sigkills_resume_and_match(config, two_rank_reference, tmp_path):
+    dump = tmp_path / "torchrun"
+    kills = ",".join([
+        "save:3:rank=0:attempt=0",      # rank 0 during the save of step 3: restart from step 0
+        "boundary:5:rank=1:attempt=1",  # rank 1 between steps 5 and 6: restart from step 3
+    ])
+    done = faults.torchrun(config, dump, "--training.steps", str(TWO_RANK_STEPS), faults=kills,
+                           max_restarts=2)
+    assert done.returncode == 0, done.output
+    for kill in ("kill at save of step 3", "kill at boundary of step 5"):
+        assert f"fault injection: {kill}" in done.output
+    assert "taking over the lock" in done.output  # rank 0's, left by the SIGKILL
+    assert "resumed from" in done.output and f"{dump}/checkpoint/step-3: step 3" in done.output
+    assert_same_run(dump, two_rank_reference, TWO_RANK_STEPS, exact=False)
+
+
+def test_a_stalled_step_is_named_before_the_collective_timeout(flame_log):
+    from flame.train.parallel import StallWarning
+
+    watch = StallWarning(rank=1, timeout_minutes=0.005, poll_seconds=0.02)  # 0.3 s
+    try:
+        watch.step_done(41)
+        wait_for(lambda: any("since step 41" in m for m in flame_log), 5, "the stall warning")
+    finally:
+        watch.close()
+    assert "rank 1: no step finished" in flame_log[-1] and "hangs in step 42" in flame_log[-1]

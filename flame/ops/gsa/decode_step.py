@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import resolve_backend
+from ..decode_checks import check_rows
 
 
 def gsa_decode_step_torch(q, k, v, f, normalizer, state_k, state_v):
@@ -67,6 +68,8 @@ def gsa_decode_step(q, k, v, f, *, normalizer: float, state_k: torch.Tensor, sta
         raise ValueError(f"gsa_decode_step: shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                          f"{tuple(v.shape)}, f {tuple(f.shape)}, state_k {tuple(state_k.shape)}, state_v "
                          f"{tuple(state_v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("f", f)):
+        check_rows("gsa_decode_step", (B, t.shape[1]), **{name: t})
     state_dtype = torch.promote_types(q.dtype, torch.float32)
     for name, st in (("state_k", state_k), ("state_v", state_v)):
         if st.dtype != state_dtype or not st.is_contiguous():

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import resolve_backend
+from ..decode_checks import check_rows
 
 NORMS = ("layer", "rms")
 
@@ -66,10 +67,8 @@ def _check(x, weight, bias, norm, add, gate, previous, mu, keep_delta) -> None:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (C,):
             raise ValueError(f"{op}: {name} must be [C] = [{C}], got {tuple(t.shape)}")
-    for name, t in (("add", add), ("gate", gate), ("previous", previous)):
-        if t is not None and (tuple(t.shape) != (B, C) or t.stride(-1) != 1):
-            raise ValueError(f"{op}: {name} must be [B, C] = [{B}, {C}] with unit channel stride, got shape "
-                             f"{tuple(t.shape)} and strides {t.stride()}")
+    check_rows(op, (B, C), x=x, **{name: t for name, t in (("add", add), ("gate", gate), ("previous", previous))
+                                  if t is not None})
     if gate is not None and add is None:
         raise ValueError(f"{op}: gate scales add; it needs add")
     if (mu is None) != (previous is None):

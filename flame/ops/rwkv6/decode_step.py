@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import resolve_backend
+from ..decode_checks import check_rows
 
 
 def rwkv6_decode_step_torch(r, k, v, gate, w_lora, time_decay, u, ln_weight, ln_bias, ln_eps, state):
@@ -53,6 +54,7 @@ def rwkv6_decode_step(r, k, v, gate, w_lora, *, time_decay, u, ln_weight, ln_bia
     if H * N != C or tuple(state.shape) != (B, H, N, N) or state.dtype != state_dtype or not state.is_contiguous():
         raise ValueError(f"rwkv6_decode_step: state must be a contiguous {state_dtype} [B, H, N, N] = {(B, H, N, N)} "
                          f"tensor and C = H * N; got C = {C}, state {tuple(state.shape)} {state.dtype}")
+    check_rows("rwkv6_decode_step", (B, C), r=r, k=k, v=v, gate=gate, w_lora=w_lora)
     if resolve_backend(backend, r.device, "rwkv6_decode_step") == "triton":
         from .decode_step_triton import rwkv6_decode_step_triton
         return rwkv6_decode_step_triton(r, k, v, gate, w_lora, time_decay, u, ln_weight, ln_bias, float(ln_eps),

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import resolve_backend
+from ..decode_checks import check_rows
 
 
 def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight,
@@ -72,6 +73,8 @@ def rwkv7_decode_step(r, k, v, w_lora, a_lora, v_lora, g, v_first, *, w0, a0, v0
     if H * N != C or tuple(state.shape) != (B, H, N, N) or state.dtype != state_dtype or not state.is_contiguous():
         raise ValueError(f"rwkv7_decode_step: state must be a contiguous {state_dtype} [B, H, N, N] = {(B, H, N, N)} "
                          f"tensor and C = H * N; got C = {C}, state {tuple(state.shape)} {state.dtype}")
+    check_rows("rwkv7_decode_step", (B, C), r=r, k=k, v=v, w_lora=w_lora, a_lora=a_lora, g=g,
+               **({} if is_first else {"v_lora": v_lora}))
     if tuple(v_first.shape) != (B, C) or not v_first.is_contiguous():
         raise ValueError(f"rwkv7_decode_step: v_first must be a contiguous [B, C] = {(B, C)} tensor")
     if resolve_backend(backend, r.device, "rwkv7_decode_step") == "triton":

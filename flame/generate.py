@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command, value_checks_off
-from flame.models.decoder import decoder_for
+from flame.models.decoder import decoder_for, prefill
 
 PROMPT_CONTEXT_TOKENS = 4
 """Prompt tokens the streaming decoder keeps in front of the first new token, so that a tokenizer
@@ -103,20 +103,6 @@ def _as_prompts(model, input_ids, prompt, tokenizer) -> list[torch.Tensor] | tor
     if len({p.numel() for p in prompts}) == 1:
         return torch.stack(prompts)
     return prompts
-
-
-@torch.no_grad()
-def prefill(model, prompts: torch.Tensor | list[torch.Tensor]):
-    """(last logits [B, V], state) of B prompts: a [B, T] tensor in one batched call, or a list of
-    1-D tensors of different lengths packed into one varlen call (cu_seqlens)."""
-    with value_checks_off():
-        if isinstance(prompts, torch.Tensor):
-            logits, state = model.forward_with_state(prompts, last_only=True)
-        else:
-            lengths = torch.tensor([0] + [p.numel() for p in prompts])
-            cu_seqlens = lengths.cumsum(0).to(prompts[0].device)
-            logits, state = model.forward_with_state(torch.cat(prompts)[None], last_only=True, cu_seqlens=cu_seqlens)
-    return logits[:, -1], state
 
 
 def _seen_tokens(prompts, vocab: int, device) -> torch.Tensor:
@@ -227,7 +213,8 @@ def generate(model, input_ids: torch.Tensor | list[list[int]] | None = None, *, 
         else:
             generator.manual_seed(seed)
 
-    logits, state = prefill(model, prompts)
+    with value_checks_off():
+        logits, state = prefill(model, prompts)
     B, vocab = logits.shape
     seen = _seen_tokens(prompts, vocab, device) if repetition_penalty != 1 else None
     stops = None

@@ -9,7 +9,8 @@ of one per kernel, and no host sync. Elsewhere (CPU) the same step runs eagerly 
 buffers, so tests on CPU exercise the buffer logic the graph replays.
 
     decoder = decoder_for(model, batch_size)   # cached per model, batch size, device and dtype
-    decoder.load(prefilled_state)              # copy a prefill's state into the buffers
+    logits, state = prefill(model, prompts)    # the prompts through the chunked kernels
+    decoder.load(state)                        # copy the prefill's state into the buffers
     decoder.tokens.copy_(next_tokens)
     logits = decoder.step()                    # a static buffer, overwritten by the next step
 
@@ -133,6 +134,20 @@ class Decoder:
         else:
             self.logits = self._run()
         return self.logits
+
+
+@torch.no_grad()
+def prefill(model, prompts: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, list[LayerState]]:
+    """(last logits [B, vocab], state) of B prompts through the chunked kernels: a [B, T] tensor in
+    one batched call, or a list of B 1-D tensors of any lengths packed into one varlen call
+    (`forward_with_state` with cu_seqlens)."""
+    if isinstance(prompts, torch.Tensor):
+        logits, state = model.forward_with_state(prompts, last_only=True)
+    else:
+        lengths = torch.tensor([0] + [p.numel() for p in prompts])
+        cu_seqlens = lengths.cumsum(0).to(prompts[0].device)
+        logits, state = model.forward_with_state(torch.cat(prompts)[None], last_only=True, cu_seqlens=cu_seqlens)
+    return logits[:, -1], state
 
 
 def decoder_for(model, batch_size: int, graph: bool | None = None) -> Decoder:

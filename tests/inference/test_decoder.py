@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flame.generate import generate, prefill
-from flame.models.decoder import Decoder, decoder_for, release_decoders
+from flame.generate import generate
+from flame.models.decoder import Decoder, decoder_for, prefill, release_decoders
 from flame.ops.backend import triton_interpreter_enabled
 from flame.ops.gsa.decode_step import gsa_decode_step
 from flame.ops.norm_mix import norm_mix

@@ -218,7 +218,8 @@ class FlameForCausalLM(PreTrainedModel, GenerationMixin):
             cache = FlameCache()
         if cache is not None:
             if not isinstance(cache, FlameCache):
-                raise TypeError(f"FlameForCausalLM keeps its recurrent state in a FlameCache, got {type(cache).__name__}")
+                raise TypeError(f"FlameForCausalLM keeps its recurrent state in a FlameCache, got "
+                                f"{type(cache).__name__}")
             if labels is not None:
                 raise ValueError("labels with a cache: the loss needs the logits of every position (pass no cache)")
             with torch.no_grad():

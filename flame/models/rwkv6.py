@@ -25,6 +25,7 @@ from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv
 from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
 from flame import ops
+from flame.ops.norm_mix import shift_lerp
 from flame.ops.rwkv6.decode_step import rwkv6_decode_step
 
 DECAY_LOW_RANK_DIM = 64
@@ -135,7 +136,7 @@ class RWKV6Attention(nn.Module):
     def decode_weights(self) -> dict[str, torch.Tensor]:
         return {
             "attn_mu": self.mu_x[None].clone(),
-            "mix_mu": torch.stack([self.mu_w, self.mu_k, self.mu_v, self.mu_r, self.mu_g])[:, None],  # [5, 1, C]
+            "mix_mu": torch.stack([self.mu_w, self.mu_k, self.mu_v, self.mu_r, self.mu_g]),
             "kvrg": torch.stack([self.key.weight, self.value.weight, self.receptance.weight, self.gate.weight]),
         }
 
@@ -146,7 +147,7 @@ class RWKV6Attention(nn.Module):
         B, C = xx.shape
         xi = torch.tanh(xx @ self.mix_w1).view(B, MIX_BRANCHES, self.mix_rank).transpose(0, 1)
         m = torch.bmm(xi, self.mix_w2)  # [5, B, C]: w, k, v, r, g
-        xs = torch.addcmul(h, delta, m + weights["mix_mu"])
+        xs = shift_lerp(h, delta, weights["mix_mu"], m, backend=self.backend)
         kvrg = torch.bmm(xs[1:5], weights["kvrg"].transpose(1, 2))
         w_lora = torch.tanh(xs[0] @ self.decay_w1) @ self.decay_w2
         y = rwkv6_decode_step(kvrg[2], kvrg[0], kvrg[1], kvrg[3], w_lora, time_decay=self.time_decay, u=self.bonus,

@@ -39,7 +39,7 @@ class RWKV7Attention(nn.Module):
     `w0` is the decay bias (the trainer gives it `decay_lr_multiplier`).
 
     Decoding one token (`decode`): the six lerps come out of the block's norm_mix in the order
-    r, k, v, w, a, g, so that r, k, v feed one batched matmul and v, w, a, g the LoRAs' first
+    r, k, v, a, w, g, so that r, k, v feed one batched matmul and v, a, w, g the LoRAs' first
     matrices, stacked, with one more batched matmul for their second matrices."""
 
     DECODE_KEEPS_DELTA = False
@@ -148,34 +148,35 @@ class RWKV7Attention(nn.Module):
 
     @torch.no_grad()
     def decode_weights(self) -> dict[str, torch.Tensor]:
-        lora_in = [self.w1, self.a1, self.g1]
-        lora_out = [self.w2, self.a2, self.g2]
+        """The LoRAs stacked in the branch order v, a, w, g, so that the two nonlinear branches
+        share one tanh: sigmoid(z) = 1/2 + tanh(z/2) / 2, so the gate's LoRA runs as
+        tanh(x (g1/2)) (g2/2) plus the bias colsum(g2)/2 (`gate_bias`)."""
         if self.defines_v_first:  # no value residual: a zero LoRA in the v slot
-            lora_in.insert(0, self.w1.new_zeros(self.w1.shape[0], 1))
-            lora_out.insert(0, self.w2.new_zeros(1, self.w2.shape[1]))
+            v1, v2 = self.w1.new_zeros(self.w1.shape[0], 1), self.w2.new_zeros(1, self.w2.shape[1])
         else:
-            lora_in.insert(0, self.v1)
-            lora_out.insert(0, self.v2)
+            v1, v2 = self.v1, self.v2
         return {
-            "attn_mu": torch.stack([self.mu_r, self.mu_k, self.mu_v, self.mu_w, self.mu_a, self.mu_g]),
+            "attn_mu": torch.stack([self.mu_r, self.mu_k, self.mu_v, self.mu_a, self.mu_w, self.mu_g]),
             "rkv": torch.stack([self.receptance.weight, self.key.weight, self.value.weight]),
-            "lora_in": stack_padded(lora_in),    # [4 (v, w, a, g), C, rank]
-            "lora_out": stack_padded(lora_out),  # [4, rank, C]
+            "lora_in": stack_padded([v1, self.a1, self.w1, self.g1 / 2]),   # [4, C, rank]
+            "lora_out": stack_padded([v2, self.a2, self.w2, self.g2 / 2]),  # [4, rank, C]
+            "gate_bias": self.g2.float().sum(0) / 2,
         }
 
     def decode(self, lerps: torch.Tensor, state: LayerState, weights: dict, v_first: torch.Tensor):
-        """One token: lerps [6, B, C] (r, k, v, w, a, g) -> (the output projection's output [B, C],
-        v_first). Layer 0 writes v_first [B, C]; the others read it."""
+        """One token: lerps [6, B, C] (r, k, v, a, w, g) -> (the output projection's output [B, C],
+        v_first). Layer 0 writes v_first [B, C]; the others read it. Three batched matmuls: r, k, v;
+        the LoRAs' first matrices; their second matrices."""
         rkv = torch.bmm(lerps[0:3], weights["rkv"].transpose(1, 2))
         hidden = torch.bmm(lerps[2:6], weights["lora_in"])
-        hidden[1].tanh_()
-        hidden[3].sigmoid_()
-        lora = torch.bmm(hidden, weights["lora_out"])  # v, w, a LoRA outputs and the gate g
+        hidden[2:4].tanh_()
+        lora = torch.bmm(hidden, weights["lora_out"])  # the v, a, w LoRA outputs and the gate without its bias
         y = rwkv7_decode_step(
-            rkv[0], rkv[1], rkv[2], lora[1], lora[2], lora[0], lora[3], v_first,
+            rkv[0], rkv[1], rkv[2], lora[2], lora[1], lora[0], lora[3], v_first,
             w0=self.w0, a0=self.a0, v0=None if self.defines_v_first else self.v0, k_k=self.k_k, k_a=self.k_a,
             r_k=self.r_k, ln_weight=self.ln_x.weight, ln_bias=self.ln_x.bias, ln_eps=self.ln_x.eps,
-            state=state.recurrent, decay_bound=DECAY_BOUND, is_first=self.defines_v_first, backend=self.backend,
+            state=state.recurrent, decay_bound=DECAY_BOUND, is_first=self.defines_v_first,
+            gate_bias=weights["gate_bias"], backend=self.backend,
         )
         return self.output(y), v_first
 

@@ -13,7 +13,7 @@ from flame.generate import generate
 from flame.models.decoder import Decoder, decoder_for, prefill, release_decoders
 from flame.ops.backend import triton_interpreter_enabled
 from flame.ops.gsa.decode_step import gsa_decode_step
-from flame.ops.norm_mix import norm_mix
+from flame.ops.norm_mix import norm_mix, shift_lerp
 from flame.ops.rwkv6.decode_step import rwkv6_decode_step
 from flame.ops.rwkv7.decode_step import rwkv7_decode_step
 from tests.models.helpers import FAMILIES
@@ -30,6 +30,17 @@ def eager_recurrent_greedy(model, prompt: torch.Tensor, steps: int) -> torch.Ten
         tokens.append(logits[:, -1].argmax(-1))
         logits, state = model.forward_with_state(tokens[-1][:, None], state)
     return torch.stack(tokens, dim=1)
+
+
+def assert_steps_follow(model, decoder: Decoder, ids: torch.Tensor, prefill_len: int, tol: float) -> None:
+    """From the state of model's prefill of ids[:, :prefill_len], the decoder's step gives the
+    logits of model's eager recurrent step for each following token of ids."""
+    logits, state = model.forward_with_state(ids[:, :prefill_len])
+    decoder.load(state)
+    for t in range(prefill_len, ids.shape[1]):
+        logits, state = model.forward_with_state(ids[:, t:t + 1], state)
+        decoder.tokens.copy_(ids[:, t])
+        torch.testing.assert_close(decoder.step(), logits[:, 0], rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,13 +62,7 @@ def test_static_step_greedy_equals_the_eager_step_and_the_full_forward_over_256_
 def test_decode_step_logits_equal_forward_with_state(family):
     model = trained_like(family).eval()
     ids = torch.randint(0, 256, (3, 14), generator=torch.Generator().manual_seed(4))
-    logits, state = model.forward_with_state(ids[:, :9])
-    decoder = Decoder(model, 3)
-    decoder.load(state)
-    for t in range(9, 14):
-        logits, state = model.forward_with_state(ids[:, t:t + 1], state)
-        decoder.tokens.copy_(ids[:, t])
-        torch.testing.assert_close(decoder.step(), logits[:, 0], rtol=1e-5, atol=1e-5)
+    assert_steps_follow(model, Decoder(model, 3), ids, 9, tol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -100,7 +105,7 @@ def test_decoder_cache_and_weight_refresh():
 @pytest.mark.skipif(not triton_interpreter_enabled(), reason="Triton kernels on CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernels_equal_their_pytorch_forms(dtype):
-    """norm_mix and the three decode_step ops: Triton (interpreter) against PyTorch, outputs and
+    """norm_mix, shift_lerp and the three decode_step ops: Triton (interpreter) against PyTorch, outputs and
     in-place updates, with strided inputs (views of stacked matmul outputs)."""
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -129,9 +134,12 @@ def test_decode_kernels_equal_their_pytorch_forms(dtype):
     proj = rand(7, B, 2 * C).to(dtype)[..., :C]  # strided rows
     params = dict(w0=rand(C), a0=rand(C), v0=rand(C), k_k=rand(C), k_a=rand(C), r_k=rand(H, N), ln_weight=rand(C),
                   ln_bias=rand(C), ln_eps=16e-5, decay_bound=0.6065306597126334)
-    for first in (True, False):
-        both(lambda be, v_first, s: rwkv7_decode_step(*proj, v_first, state=s, is_first=first, backend=be, **params),
+    for first, gate_bias in ((True, None), (False, rand(C))):
+        both(lambda be, v_first, s: rwkv7_decode_step(*proj, v_first, state=s, is_first=first, gate_bias=gate_bias,
+                                                      backend=be, **params),
              rand(B, C).to(dtype), rand(B, H, N, N))
+    m = rand(5, B, C).to(dtype)
+    both(lambda be: shift_lerp(add, gate, mu, m, backend=be))
     time_decay = rand(C) - 2
     both(lambda be, s: rwkv6_decode_step(*proj[:5], time_decay=time_decay, u=params["r_k"],
                                          ln_weight=params["ln_weight"], ln_bias=params["ln_bias"], ln_eps=64e-5,
@@ -153,13 +161,7 @@ def test_decode_step_on_the_triton_kernels_under_the_interpreter(family):
     step (the same weights), from the twin's prefilled state."""
     model, twin = trained_like(family).eval(), trained_like(family, backend="triton").eval()
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(8))
-    logits, state = model.forward_with_state(ids[:, :5])
-    decoder = Decoder(twin, 2)
-    decoder.load(state)
-    for t in range(5, 8):
-        logits, state = model.forward_with_state(ids[:, t:t + 1], state)
-        decoder.tokens.copy_(ids[:, t])
-        torch.testing.assert_close(decoder.step(), logits[:, 0], rtol=1e-4, atol=1e-4)
+    assert_steps_follow(model, Decoder(twin, 2), ids, 5, tol=1e-4)
 
 
 def gpu_model(family: str):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import resolve_backend
-from ..decode_checks import check_rows
+from ..decode_checks import check_rows, check_state
 
 
 def gsa_decode_step_torch(q, k, v, f, normalizer, state_k, state_v):
@@ -62,18 +62,16 @@ def gsa_decode_step(q, k, v, f, *, normalizer: float, state_k: torch.Tensor, sta
                          f"{tuple(state_k.shape)} and {tuple(state_v.shape)}")
     _, H, K, M = state_k.shape
     V = state_v.shape[-1]
-    ok = (tuple(state_v.shape) == (B, H, M, V) and q.shape[1] % (H * K) == 0 and tuple(k.shape) == (B, H * K)
-          and tuple(v.shape) == (B, H * V) and tuple(f.shape) == (B, H * M))
+    ok = (q.shape[1] % (H * K) == 0 and tuple(k.shape) == (B, H * K) and tuple(v.shape) == (B, H * V)
+          and tuple(f.shape) == (B, H * M))
     if not ok:
         raise ValueError(f"gsa_decode_step: shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                          f"{tuple(v.shape)}, f {tuple(f.shape)}, state_k {tuple(state_k.shape)}, state_v "
                          f"{tuple(state_v.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v), ("f", f)):
         check_rows("gsa_decode_step", (B, t.shape[1]), **{name: t})
-    state_dtype = torch.promote_types(q.dtype, torch.float32)
-    for name, st in (("state_k", state_k), ("state_v", state_v)):
-        if st.dtype != state_dtype or not st.is_contiguous():
-            raise ValueError(f"gsa_decode_step: {name} must be contiguous {state_dtype}, got {st.dtype}")
+    check_state("gsa_decode_step", "state_k", state_k, (B, H, K, M), q.dtype)
+    check_state("gsa_decode_step", "state_v", state_v, (B, H, M, V), q.dtype)
     if resolve_backend(backend, q.device, "gsa_decode_step") == "triton":
         from .decode_step_triton import gsa_decode_step_triton
         return gsa_decode_step_triton(q, k, v, f, float(normalizer), state_k, state_v)

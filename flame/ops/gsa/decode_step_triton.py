@@ -9,6 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
+TILE_ELEMENTS = 8192
+"""fp32 state elements per block of the walk (8 warps): two blocks per state at K = 256, M = 64,
+so a program's loads are few and large (its latency, not the bandwidth, bounds one token)."""
+
 
 @triton.jit
 def _expm1(x):
@@ -85,10 +89,10 @@ def gsa_decode_step_triton(q, k, v, f, normalizer, state_k, state_v):
     out = torch.empty(B, H * G * V, dtype=q.dtype, device=q.device)
     BG = triton.next_power_of_2(G)
     BM = max(triton.next_power_of_2(M), 16)
-    BK = min(max(triton.next_power_of_2(K), 16), max(16, 4096 // (BG * BM)))
-    BV = min(max(triton.next_power_of_2(V), 16), max(16, 4096 // (BG * BM)))
+    BK = min(max(triton.next_power_of_2(K), 16), max(16, TILE_ELEMENTS // (BG * BM)))
+    BV = min(max(triton.next_power_of_2(V), 16), max(16, TILE_ELEMENTS // (BG * BM)))
     _gsa_decode_kernel[(B * H,)](
         q, k, v, f, state_k, state_v, out, q.stride(0), k.stride(0), v.stride(0), f.stride(0), normalizer, H,
-        G=G, K=K, M=M, V=V, BG=BG, BK=BK, BM=BM, BV=BV, num_warps=4,
+        G=G, K=K, M=M, V=V, BG=BG, BK=BK, BM=BM, BV=BV, num_warps=8,
     )
     return out

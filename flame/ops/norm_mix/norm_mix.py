@@ -8,6 +8,10 @@ step): out_i = h + (previous - h) * mu_i. `previous` then takes h, ready for the
 
     norm_mix(x, weight, bias, eps, add=..., gate=..., previous=..., mu=...)
 
+RWKV6's time mix lerps a second time with data-dependent coefficients from a LoRA of the first
+lerp: `shift_lerp(h, delta, mu, m)` gives h + delta * (mu_i + m_i) from the h and delta that
+norm_mix(..., keep_delta=True) returns.
+
 Rounding follows the model's layers: x + add is rounded to x's dtype and stored back into x (the
 residual stream), h is rounded to x's dtype (a norm's output), the lerps are computed in fp32
 from those rounded values and rounded once.
@@ -52,6 +56,12 @@ def norm_mix_torch(x, weight, bias, eps, norm="layer", add=None, gate=None, prev
     if keep_delta:
         outs += [h, delta.to(dtype)]
     return torch.stack(outs)
+
+
+def shift_lerp_torch(h, delta, mu, m):
+    """shift_lerp in PyTorch; the same contract as `shift_lerp`."""
+    acc = torch.promote_types(h.dtype, torch.float32)
+    return torch.addcmul(h.to(acc), delta.to(acc), mu.to(acc)[:, None] + m.to(acc)).to(h.dtype)
 
 
 def _check(x, weight, bias, norm, add, gate, previous, mu, keep_delta) -> None:
@@ -116,3 +126,18 @@ def norm_mix(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
         from .norm_mix_triton import norm_mix_triton
         return norm_mix_triton(x, weight, bias, float(eps), norm, add, gate, previous, mu, silu, keep_delta)
     return norm_mix_torch(x, weight, bias, eps, norm, add, gate, previous, mu, silu, keep_delta)
+
+
+def shift_lerp(h: torch.Tensor, delta: torch.Tensor, mu: torch.Tensor, m: torch.Tensor, *,
+               backend: str = "auto") -> torch.Tensor:
+    """The lerps h + delta * (mu_i + m_i) [N, B, C] in h's dtype, computed in fp32, from h, delta
+    [B, C] (unit channel stride), mu [N, C] and m [N, B, C] (contiguous). No host sync."""
+    B, C = h.shape
+    check_rows("shift_lerp", (B, C), h=h, delta=delta)
+    if mu.dim() != 2 or mu.shape[1] != C or tuple(m.shape) != (mu.shape[0], B, C) or not m.is_contiguous():
+        raise ValueError(f"shift_lerp: mu must be [N, C] and m a contiguous [N, B, C] with C = {C}, B = {B}; got "
+                         f"{tuple(mu.shape)} and {tuple(m.shape)}")
+    if resolve_backend(backend, h.device, "shift_lerp") == "triton":
+        from .norm_mix_triton import shift_lerp_triton
+        return shift_lerp_triton(h, delta, mu.contiguous(), m)
+    return shift_lerp_torch(h, delta, mu, m)

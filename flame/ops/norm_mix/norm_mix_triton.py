@@ -1,4 +1,5 @@
-"""norm_mix in Triton: one program per row (sequence) holds the whole row of C channels.
+"""norm_mix and shift_lerp in Triton: one program per row (sequence) holds the whole row of C
+channels.
 
 Per row: x (+ add * sigmoid(gate)) rounded to x's dtype and stored back, optional silu, LayerNorm
 or RMSNorm in fp32 with the affine parameters, h rounded to x's dtype; with lerps, delta =
@@ -54,6 +55,31 @@ def _norm_mix_kernel(x, add, gate, weight, bias, previous, mu, out, C, B, stride
         if KEEP_DELTA:
             tl.store(out + N_MIX * B * C + row + cols, b_h, mask=mask)
             tl.store(out + (N_MIX + 1) * B * C + row + cols, b_d.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _shift_lerp_kernel(h, delta, mu, m, out, B, C, s_h, s_d, N: tl.constexpr, BLOCK: tl.constexpr):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    cols = i_c * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < C
+    b_h = tl.load(h + i_b * s_h + cols, mask=mask, other=0).to(tl.float32)
+    b_d = tl.load(delta + i_b * s_d + cols, mask=mask, other=0).to(tl.float32)
+    for i in tl.static_range(N):
+        b_c = tl.load(mu + i * C + cols, mask=mask, other=0).to(tl.float32) \
+            + tl.load(m + (i * B + i_b) * C + cols, mask=mask, other=0).to(tl.float32)
+        tl.store(out + (i * B + i_b) * C + cols, (b_h + b_d * b_c).to(out.dtype.element_ty), mask=mask)
+
+
+def shift_lerp_triton(h, delta, mu, m):
+    """Inputs are already checked (flame.ops.norm_mix.shift_lerp)."""
+    B, C = h.shape
+    N = mu.shape[0]
+    out = torch.empty(N, B, C, dtype=h.dtype, device=h.device)
+    block = min(triton.next_power_of_2(C), 1024)
+    _shift_lerp_kernel[(B, triton.cdiv(C, block))](h, delta, mu, m, out, B, C, h.stride(0), delta.stride(0), N=N,
+                                                    BLOCK=block, num_warps=4)
+    return out
 
 
 def norm_mix_triton(x, weight, bias, eps, norm, add, gate, previous, mu, silu, keep_delta):

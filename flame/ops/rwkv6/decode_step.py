@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import resolve_backend
-from ..decode_checks import check_rows
+from ..decode_checks import check_head_state, check_rows
 
 
 def rwkv6_decode_step_torch(r, k, v, gate, w_lora, time_decay, u, ln_weight, ln_bias, ln_eps, state):
@@ -48,12 +48,7 @@ def rwkv6_decode_step(r, k, v, gate, w_lora, *, time_decay, u, ln_weight, ln_bia
 
     No host sync and no allocation beyond the output: a CUDA graph can capture it.
     """
-    B, C = r.shape
-    H, N = u.shape
-    state_dtype = torch.promote_types(r.dtype, torch.float32)
-    if H * N != C or tuple(state.shape) != (B, H, N, N) or state.dtype != state_dtype or not state.is_contiguous():
-        raise ValueError(f"rwkv6_decode_step: state must be a contiguous {state_dtype} [B, H, N, N] = {(B, H, N, N)} "
-                         f"tensor and C = H * N; got C = {C}, state {tuple(state.shape)} {state.dtype}")
+    B, C, H, N = check_head_state("rwkv6_decode_step", r, u, "u", state)
     check_rows("rwkv6_decode_step", (B, C), r=r, k=k, v=v, gate=gate, w_lora=w_lora)
     if resolve_backend(backend, r.device, "rwkv6_decode_step") == "triton":
         from .decode_step_triton import rwkv6_decode_step_triton

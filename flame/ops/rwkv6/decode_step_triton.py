@@ -37,7 +37,8 @@ def _rwkv6_decode_kernel(r, k, v, gate, w_l, time_decay, u, ln_w, ln_b, state, y
 
     b_oc = tl.where(m_n, b_o - tl.sum(b_o, 0) / N, 0.0)
     b_o = b_oc / tl.sqrt(tl.sum(b_oc * b_oc, 0) / N + eps)
-    b_o = b_o * tl.load(ln_w + ch, mask=m_n, other=0).to(tl.float32) + tl.load(ln_b + ch, mask=m_n, other=0).to(tl.float32)
+    b_o = b_o * tl.load(ln_w + ch, mask=m_n, other=0).to(tl.float32) \
+        + tl.load(ln_b + ch, mask=m_n, other=0).to(tl.float32)
     b_y = b_o * (b_gate * tl.sigmoid(b_gate))
     tl.store(y + i_b * C + ch, b_y.to(y.dtype.element_ty), mask=m_n)
 

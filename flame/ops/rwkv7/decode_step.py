@@ -1,7 +1,8 @@
 """rwkv7_decode_step: the whole RWKV7 time mix of one token between its projections and its output
 projection, for B sequences, with the state updated in place.
 
-From the projections r, k, v [B, C] and the LoRA outputs (before their biases), per head:
+From the projections r, k, v [B, C], the LoRA outputs (before their biases) and the gate g (plus
+an optional per-channel gate_bias), per head:
 
     w = -bound * sigmoid(w0 + w_lora)               log-decay
     a = sigmoid(a0 + a_lora)
@@ -20,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import resolve_backend
-from ..decode_checks import check_rows
+from ..decode_checks import check_head_state, check_rows
 
 
 def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight,
-                            ln_bias, ln_eps, state, decay_bound, is_first):
+                            ln_bias, ln_eps, state, decay_bound, is_first, gate_bias=None):
     """rwkv7_decode_step in PyTorch; the same contract as `rwkv7_decode_step`."""
     B, C = r.shape
     H, N = r_k.shape
@@ -32,6 +33,8 @@ def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0,
     acc = torch.promote_types(dtype, torch.float32)
     f = lambda t: t.to(acc)  # noqa: E731
     r, k, v, g = f(r), f(k), f(v), f(g)
+    if gate_bias is not None:
+        g = g + f(gate_bias)
     w = -decay_bound * torch.sigmoid(f(w0) + f(w_lora))
     a = torch.sigmoid(f(a0) + f(a_lora))
     if is_first:
@@ -53,7 +56,7 @@ def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0,
 
 def rwkv7_decode_step(r, k, v, w_lora, a_lora, v_lora, g, v_first, *, w0, a0, v0, k_k, k_a, r_k, ln_weight,
                       ln_bias, ln_eps: float, state: torch.Tensor, decay_bound: float, is_first: bool,
-                      backend: str = "auto") -> torch.Tensor:
+                      gate_bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """The RWKV7 time mix of one token (module docstring) -> y [B, C] in r's dtype, the input of the
     output projection.
 
@@ -62,17 +65,13 @@ def rwkv7_decode_step(r, k, v, w_lora, a_lora, v_lora, g, v_first, *, w0, a0, v0
             of stacked matmul outputs). v_lora is unused (may be None) in layer 0.
         v_first: [B, C] contiguous: written (this token's v) when is_first, read otherwise.
         w0, a0, v0, k_k, k_a, ln_weight, ln_bias: [C] parameters; r_k [H, N].
+        gate_bias: [C] added to g (None: none).
         state: [B, H, N, N] fp32 (fp64 for fp64 inputs), contiguous, updated in place.
         decay_bound: e^{-1/2} in RWKV7 (the log-decay lies in [-decay_bound, 0]).
 
     No host sync and no allocation beyond the output: a CUDA graph can capture it.
     """
-    B, C = r.shape
-    H, N = r_k.shape
-    state_dtype = torch.promote_types(r.dtype, torch.float32)
-    if H * N != C or tuple(state.shape) != (B, H, N, N) or state.dtype != state_dtype or not state.is_contiguous():
-        raise ValueError(f"rwkv7_decode_step: state must be a contiguous {state_dtype} [B, H, N, N] = {(B, H, N, N)} "
-                         f"tensor and C = H * N; got C = {C}, state {tuple(state.shape)} {state.dtype}")
+    B, C, H, N = check_head_state("rwkv7_decode_step", r, r_k, "r_k", state)
     check_rows("rwkv7_decode_step", (B, C), r=r, k=k, v=v, w_lora=w_lora, a_lora=a_lora, g=g,
                **({} if is_first else {"v_lora": v_lora}))
     if tuple(v_first.shape) != (B, C) or not v_first.is_contiguous():
@@ -80,6 +79,7 @@ def rwkv7_decode_step(r, k, v, w_lora, a_lora, v_lora, g, v_first, *, w0, a0, v0
     if resolve_backend(backend, r.device, "rwkv7_decode_step") == "triton":
         from .decode_step_triton import rwkv7_decode_step_triton
         return rwkv7_decode_step_triton(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k,
-                                        ln_weight, ln_bias, float(ln_eps), state, float(decay_bound), is_first)
+                                        ln_weight, ln_bias, float(ln_eps), state, float(decay_bound), is_first,
+                                        gate_bias)
     return rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k,
-                                   ln_weight, ln_bias, ln_eps, state, decay_bound, is_first)
+                                   ln_weight, ln_bias, ln_eps, state, decay_bound, is_first, gate_bias)

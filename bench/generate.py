@@ -17,11 +17,12 @@ What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 3200
   rwkv (optional: `pip install rwkv`): the official package on flame's `--format rwkv` export of
   the same weights (RWKV6 and RWKV7), strategy --rwkv-strategy, in a subprocess per family (its
   environment switches are set before import). The package decodes one sequence per call, so
-  batch B runs B calls per token; only --rwkv-batch-sizes are measured.
+  batch B runs B calls per token; only --rwkv-batch-sizes are measured, from a prompt of
+  --rwkv-prompt-len tokens.
 - prefill: --prefill-batch x --prefill-len tokens through the chunked kernels to the recurrent state
   (flame `forward_with_state`, fla's forward with use_cache); flame's eval forward (the fused
   LM-head loss, `flame.eval`) on the same tokens; the rwkv package prefills one sequence of
-  --prompt-len tokens.
+  --rwkv-prompt-len tokens.
 - the peak GPU memory of each measurement.
 
 A library that is not installed, or that fails on a family, is reported with a note and the
@@ -131,9 +132,14 @@ def random_ids(vocab: int, batch: int, length: int, device, seed: int):
                          generator=torch.Generator(device=device).manual_seed(seed))
 
 
+def model_name(family: str, args) -> str:
+    return f"{family} {'tiny' if args.tiny else '340M'}"
+
+
 def decode_row(family, lib, batch, args, prefill_s, total_s, device, **extra) -> dict:
     decode_s = max(total_s - prefill_s, 1e-9)
-    return {"family": family, "lib": lib, "kind": "decode", "batch": batch, "prompt_len": args.prompt_len,
+    return {"family": family, "model": model_name(family, args), "lib": lib, "kind": "decode", "batch": batch,
+            "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "prefill_ms": prefill_s * 1e3,
             "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode_s,
             "ms_per_step": decode_s * 1e3 / (args.new_tokens - 1), "peak_gib": peak_gib(device), **extra}
@@ -160,7 +166,8 @@ def bench_flame(family: str, args, device) -> list[dict]:
             reset_memory(device)
             eval_s, _ = timed(lambda: model(inputs, labels=labels), args.repeats, device)
         tokens = inputs.numel()
-        rows.append({"family": family, "lib": "flame", "kind": "prefill", "batch": args.prefill_batch,
+        rows.append({"family": family, "model": model_name(family, args), "lib": "flame", "kind": "prefill",
+                     "batch": args.prefill_batch,
                      "seq_len": args.prefill_len, "prefill_tokens_per_s": tokens / prefill_s,
                      "eval_tokens_per_s": tokens / eval_s, "prefill_peak_gib": prefill_peak,
                      "eval_peak_gib": peak_gib(device)})
@@ -188,6 +195,7 @@ def bench_flame(family: str, args, device) -> list[dict]:
             rows.append(decode_row(family, "flame", batch, args, first_s, total_s, device,
                                    graph_step_ms=step_ms, graphed=decoder.graphed))
             print(json.dumps(rows[-1]), flush=True)
+            del decoder, out  # this batch's buffers and graph go before the next batch's peak is measured
         release_decoders(model)
     return rows
 
@@ -212,7 +220,8 @@ def bench_fla(family: str, args, device) -> list[dict]:
         reset_memory(device)
         ids = random_ids(vocab, args.prefill_batch, args.prefill_len, device, seed=1)
         prefill_s, _ = timed(lambda: model(ids, use_cache=True), args.repeats, device)
-        rows.append({"family": family, "lib": "fla", "kind": "prefill", "batch": args.prefill_batch,
+        rows.append({"family": family, "model": model_name(family, args), "lib": "fla", "kind": "prefill",
+                     "batch": args.prefill_batch,
                      "seq_len": args.prefill_len, "prefill_tokens_per_s": ids.numel() / prefill_s,
                      "prefill_peak_gib": peak_gib(device)})
         print(json.dumps(rows[-1]), flush=True)
@@ -256,7 +265,7 @@ def rwkv_worker(family: str, args, out_path: str) -> None:
         from rwkv.model import RWKV  # the environment switches are set: see bench_rwkv
 
         rwkv_model = RWKV(model=path, strategy=args.rwkv_strategy)
-    prompt = random_ids(vocab, 1, args.prompt_len, device, seed=1)[0].tolist()
+    prompt = random_ids(vocab, 1, args.rwkv_prompt_len, device, seed=1)[0].tolist()
 
     def prefill_one():
         return rwkv_model.forward(list(prompt), None)
@@ -276,8 +285,9 @@ def rwkv_worker(family: str, args, out_path: str) -> None:
     with torch.no_grad():
         reset_memory(device)
         prefill_s, _ = timed(prefill_one, args.repeats, device)
-        rows.append({"family": family, "lib": "rwkv", "kind": "prefill", "batch": 1, "seq_len": args.prompt_len,
-                     "prefill_tokens_per_s": args.prompt_len / prefill_s, "prefill_peak_gib": peak_gib(device),
+        rows.append({"family": family, "model": model_name(family, args), "lib": "rwkv", "kind": "prefill",
+                     "batch": 1, "seq_len": args.rwkv_prompt_len,
+                     "prefill_tokens_per_s": args.rwkv_prompt_len / prefill_s, "prefill_peak_gib": peak_gib(device),
                      "note": f"one sequence per call; strategy {args.rwkv_strategy}"})
         for batch in args.rwkv_batch_sizes:
             reset_memory(device)
@@ -285,8 +295,9 @@ def rwkv_worker(family: str, args, out_path: str) -> None:
             first_s, _ = timed(lambda: decode(batch, 1), args.repeats, device)
             total_s, _ = timed(lambda: decode(batch, n), args.repeats, device)
             decode_s = max(total_s - first_s, 1e-9)
-            rows.append({"family": family, "lib": "rwkv", "kind": "decode", "batch": batch,
-                         "prompt_len": args.prompt_len, "new_tokens": n, "prefill_ms": first_s * 1e3,
+            rows.append({"family": family, "model": model_name(family, args), "lib": "rwkv", "kind": "decode",
+                         "batch": batch,
+                         "prompt_len": args.rwkv_prompt_len, "new_tokens": n, "prefill_ms": first_s * 1e3,
                          "decode_tokens_per_s": batch * (n - 1) / decode_s, "ms_per_step": decode_s * 1e3 / (n - 1),
                          "peak_gib": peak_gib(device), "note": "one sequence per call"})
     Path(out_path).write_text(json.dumps(rows))
@@ -347,6 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rwkv-batch-sizes", default="1,8",
                         help="batch sizes measured for the rwkv package (one call per sequence and token)")
     parser.add_argument("--rwkv-new-tokens", type=int, default=64)
+    parser.add_argument("--rwkv-prompt-len", type=int, default=128,
+                        help="the rwkv package's prompt (its prefill walks the tokens one by one without RWKV_CUDA_ON)")
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run, with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 340M configs (a smoke run)")
     parser.add_argument("--out", help="write every row as JSON here")
@@ -368,14 +381,14 @@ def print_tables(results: list[dict]) -> None:
     for r in results:
         if r.get("kind") == "decode":
             note = r.get("note", "") or ("" if r.get("graphed", True) else "not graphed")
-            print(f"| {r['family']} 340M | {r['lib']} | {r['batch']} | {r['decode_tokens_per_s']:,.0f} | "
+            print(f"| {r['model']} | {r['lib']} | {r['batch']} | {r['decode_tokens_per_s']:,.0f} | "
                   f"{r['ms_per_step']:.2f} | {fmt(r.get('graph_step_ms'), '.3f')} | {fmt(r['peak_gib'], '.2f')} | "
                   f"{note} |")
     print("\n| model | lib | prefill tokens | prefill tokens/s | eval tokens/s | peak GiB | note |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         if r.get("kind") == "prefill":
-            print(f"| {r['family']} 340M | {r['lib']} | {r['batch']} x {r['seq_len']} | "
+            print(f"| {r['model']} | {r['lib']} | {r['batch']} x {r['seq_len']} | "
                   f"{r['prefill_tokens_per_s']:,.0f} | {fmt(r.get('eval_tokens_per_s'), ',.0f')} | "
                   f"{fmt(r.get('prefill_peak_gib'), '.2f')} | {r.get('note', '')} |")
     notes = [r for r in results if r.get("kind") in ("error", "note")]

@@ -210,3 +210,31 @@ def test_cuda_graph_step_equals_the_eager_step_in_bf16(family):
         gap = ref.max(-1).values - ref.gather(1, token[:, None])[:, 0]
         assert (gap <= 0.05 * ref.std(-1)).all(), f"{family} token {t}: not the eager step's argmax"
     release_decoders(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_decoding_tokens_never_waits_for_the_device(family):
+    """The per-token work of generate (graph replay, sampling with every option, repetition
+    bookkeeping) runs under torch's sync debug mode "error": no host sync."""
+    from flame.generate import sample_next
+
+    model = trained_like(family, device="cuda", backend="triton").to(torch.bfloat16)
+    prompt = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    logits, state = prefill(model, prompt)
+    decoder = decoder_for(model, 2)
+    assert decoder.graphed
+    decoder.load(state)
+    seen = torch.zeros(2, 256, dtype=torch.bool, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            token = sample_next(logits, 0.8, 0.9, 20, generator, seen, 1.2)
+            seen.scatter_(1, token[:, None], True)
+            decoder.tokens.copy_(token)
+            logits = decoder.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    release_decoders(model)

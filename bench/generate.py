@@ -195,9 +195,35 @@ def bench_flame(family: str, args, device) -> list[dict]:
             rows.append(decode_row(family, "flame", batch, args, first_s, total_s, device,
                                    graph_step_ms=step_ms, graphed=decoder.graphed))
             print(json.dumps(rows[-1]), flush=True)
+            if args.profile and batch == args.batch_sizes[0] and device.type == "cuda":
+                print_step_profile(family, batch, decoder)
             del decoder, out  # this batch's buffers and graph go before the next batch's peak is measured
         release_decoders(model)
     return rows
+
+
+def print_step_profile(family: str, batch: int, decoder, steps: int = 20) -> None:
+    """The kernels of one decoding step (from `steps` graph replays under torch.profiler): how many,
+    and the ones that take the most time."""
+    from collections import defaultdict
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder.step()
+        torch.cuda.synchronize()
+    totals, counts = defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time_total
+            counts[event.name] += 1
+    kernels = sum(counts.values()) / steps
+    busy = sum(totals.values()) / steps
+    print(f"\n{family} batch {batch}: {kernels:.0f} kernels per step, {busy:.0f} us of kernel time per step")
+    for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {total / steps:8.1f} us  {counts[name] / steps:5.1f} x  {name[:100]}")
 
 
 # ---- fla ----------------------------------------------------------------------------------------
@@ -362,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the rwkv package's prompt (its prefill walks the tokens one by one without RWKV_CUDA_ON)")
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run, with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 340M configs (a smoke run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the kernels of one flame decoding step at the first batch size (torch.profiler)")
     parser.add_argument("--out", help="write every row as JSON here")
     parser.add_argument("--rwkv-worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)

@@ -59,13 +59,13 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
     probability reaches top_p (the most likely one always stays). The draw is argmax(probs / E)
     with E ~ Exp(1) from `generator` (an exact sample of probs, without torch.multinomial's sync).
     """
-    logits = logits.float()
     if repetition_penalty != 1 and seen is not None:
+        logits = logits.float()
         penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
         logits = torch.where(seen, penalised, logits)
     if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
+        return logits.argmax(dim=-1)  # exact in the logits' own dtype
+    logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

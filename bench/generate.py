@@ -12,7 +12,8 @@ What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 3200
   new_tokens - time of 1), the medians of --repeats runs after one warm-up run (compiles,
   captures the CUDA graph); both times include the same prefill. flame: `flame.generate.generate`
   (the decode step replayed as a CUDA graph; "graph step ms" is one replay alone, without the
-  sampling). fla (optional, imported only when installed): the family built by fla with the same
+  sampling). hf: flame's Hugging Face model class (flame.export.hf) through transformers'
+  `generate`, whose FlameCache runs the same decode step. fla (optional, imported only when installed): the family built by fla with the same
   shape, through transformers' `generate` with fla's recurrent cache, forced to the same length.
   rwkv (optional: `pip install rwkv`): the official package on flame's `--format rwkv` export of
   the same weights (RWKV6 and RWKV7), strategy --rwkv-strategy, in a subprocess per family (its
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 FAMILIES = ("rwkv7", "rwkv6", "gsa")
-LIBS = ("flame", "fla", "rwkv")
+LIBS = ("flame", "hf", "fla", "rwkv")
 RWKV_FAMILIES = ("rwkv7", "rwkv6")
 TINY = dict(hidden_size=128, num_layers=2, vocab_size=256, head_dim=64, num_heads=2, num_slots=16)
 """--tiny: a model small enough for a CPU smoke run of the script (RWKV head size 64, as the rwkv
@@ -226,6 +227,40 @@ def print_step_profile(family: str, batch: int, decoder, steps: int = 20) -> Non
         print(f"  {total / steps:8.1f} us  {counts[name] / steps:5.1f} x  {name[:100]}")
 
 
+# ---- flame's Hugging Face export -------------------------------------------------------------------
+
+def bench_hf(family: str, args, device) -> list[dict]:
+    """flame's FlameForCausalLM (the class an `hf` export loads) through transformers' generate."""
+    import dataclasses
+
+    import torch
+
+    from flame.export.hf import FlameConfig, FlameForCausalLM
+
+    config = FlameConfig(**dataclasses.asdict(model_args(family, args.tiny)), pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = FlameForCausalLM(config)
+    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for batch in args.batch_sizes:
+            reset_memory(device)
+            prompts = random_ids(config.vocab_size, batch, args.prompt_len, device, seed=batch)
+
+            def run(n: int):
+                return model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False)[:, args.prompt_len:]
+
+            first_s, _ = timed(lambda: run(1), args.repeats, device)
+            total_s, out = timed(lambda: run(args.new_tokens), args.repeats, device)
+            if tuple(out.shape) != (batch, args.new_tokens):
+                raise RuntimeError(f"generated shape {tuple(out.shape)}, expected {(batch, args.new_tokens)}")
+            rows.append(decode_row(family, "hf", batch, args, first_s, total_s, device,
+                                   note="transformers' generate loop around flame's decode step"))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 # ---- fla ----------------------------------------------------------------------------------------
 
 def fla_available() -> bool:
@@ -335,6 +370,12 @@ def rwkv_available() -> bool:
     return importlib.util.find_spec("rwkv") is not None
 
 
+def transformers_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
 def bench_rwkv(family: str, args, device) -> list[dict]:
     """The rwkv package in a subprocess: it reads RWKV_V7_ON / RWKV_JIT_ON / RWKV_CUDA_ON at import
     and keeps module-level state (one RWKV version per process)."""
@@ -369,7 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--libs", default=",".join(LIBS),
-                        help="flame, fla and/or rwkv (fla and rwkv are optional: skipped with a note when missing)")
+                        help="flame, hf, fla and/or rwkv (hf, fla and rwkv are optional: skipped with a note when missing)")
     parser.add_argument("--batch-sizes", default="1,8,64,256")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -447,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown --libs {unknown}: expected some of {', '.join(LIBS)}", file=sys.stderr)
         return 1
     results: list[dict] = []
-    for lib, available, hint in (("fla", fla_available, "pip install flash-linear-attention==0.6.0"),
+    for lib, available, hint in (("hf", transformers_available, "pip install transformers"),
+                                 ("fla", fla_available, "pip install flash-linear-attention==0.6.0"),
                                  ("rwkv", rwkv_available, "pip install rwkv")):
         if lib in libs and not available():
             note = f"{lib} is not installed: skipped ({hint})"
@@ -457,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.timing import versions
 
     print(f"# {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {versions()}", flush=True)
-    benches = {"flame": bench_flame, "fla": bench_fla, "rwkv": bench_rwkv}
+    benches = {"flame": bench_flame, "hf": bench_hf, "fla": bench_fla, "rwkv": bench_rwkv}
     started = time.perf_counter()
     for family in args.families.split(","):
         for lib in libs:

@@ -124,6 +124,7 @@ class _Chunks:
     def __init__(self, out: torch.Tensor, finished_at: torch.Tensor | None, stream, every: int):
         self.out, self.finished_at, self.stream, self.every = out, finished_at, stream, every
         self.cuda = out.device.type == "cuda"
+        self.reading = stream is not None or finished_at is not None  # else nothing is copied out
         self.start = 0          # the first token not yet copied out
         self.in_flight = None   # the chunk copied last, not yet read
         self.stopped_at = None  # the number of tokens to keep, once every row has stopped
@@ -157,8 +158,7 @@ class _Chunks:
 
     def after(self, steps: int) -> bool:
         """Called once `steps` tokens are in `out`; True once every row is known to have stopped."""
-        due = steps - self.start >= self.every and (self.stream is not None or self.finished_at is not None)
-        if due:
+        if self.reading and steps - self.start >= self.every:
             landed, self.in_flight = self.in_flight, self._copy(steps)
             if landed is not None:
                 self._read(landed)
@@ -172,7 +172,7 @@ class _Chunks:
         if self.in_flight is not None:
             self._read(self.in_flight)
             self.in_flight = None
-        if self.stopped_at is None and steps > self.start and (self.stream is not None or self.finished_at is not None):
+        if self.reading and self.stopped_at is None and steps > self.start:
             self._read(self._copy(steps))
         return steps if self.stopped_at is None else min(steps, self.stopped_at)
 

@@ -152,7 +152,8 @@ def prefill(model, prompts: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Te
 
 def decoder_for(model, batch_size: int, graph: bool | None = None) -> Decoder:
     """The model's cached `Decoder` for batch_size sequences (built, and on CUDA captured, on first
-    use; rebuilt when the parameters moved), with its stacked weights refreshed."""
+    use; rebuilt when the parameters moved), with its stacked weights refreshed. One decoder per
+    model and batch size: two generations of the same batch size cannot interleave."""
     weight = model.embeddings.weight
     addresses = _parameter_addresses(model)
     graph = weight.device.type == "cuda" if graph is None else graph

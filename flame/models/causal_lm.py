@@ -226,8 +226,7 @@ class CausalLM(nn.Module):
 
 
 def norm_args(norm: nn.Module) -> dict:
-    """The `flame.ops.norm_mix` arguments (weight, bias, eps, norm kind) of a LayerNorm, RMSNorm or
-    GroupNorm module (a GroupNorm normalises per head, so only its parameters and eps are used)."""
+    """The `flame.ops.norm_mix` arguments (weight, bias, eps, norm kind) of a LayerNorm or RMSNorm."""
     kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
     return {"weight": norm.weight, "bias": getattr(norm, "bias", None), "eps": norm.eps, "norm": kind}
 

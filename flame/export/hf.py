@@ -19,7 +19,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 from transformers import Cache, GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.utils import ModelOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from flame.config.job import TRAINING_MEMORY_FIELDS
 from flame.export.formats import HF_MODEL_TYPE as MODEL_TYPE
@@ -32,8 +32,8 @@ AUTO_MAP = {
 IGNORE_INDEX = -100
 CACHE_FIELD = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
                else "past_key_values")
-"""The name transformers gives the cache in model outputs and generation kwargs (`cache` since
-transformers 5 renamed `past_key_values`)."""
+"""The name transformers gives the cache in model outputs (CausalLMOutputWithPast) and generation
+kwargs: `cache` since transformers 5 renamed `past_key_values`."""
 
 
 def model_fields() -> dict[str, object]:
@@ -135,20 +135,9 @@ class FlameCache(Cache):
                 buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
 
 
-@dataclasses.dataclass
-class FlameCausalLMOutput(ModelOutput):
-    """transformers' causal-LM output; the recurrent cache is set under CACHE_FIELD, the name this
-    transformers reads."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    cache: FlameCache | None = None
-    past_key_values: FlameCache | None = None
-
-
 class FlameForCausalLM(PreTrainedModel, GenerationMixin):
     """flame's `CausalLM` (as `self.model`) behind the Hugging Face causal-LM interface:
-    `forward(input_ids, attention_mask=None, labels=None, cache=None) -> FlameCausalLMOutput` and
+    `forward(input_ids, attention_mask=None, labels=None, cache=None) -> CausalLMOutputWithPast` and
     `generate`."""
 
     config_class = FlameConfig
@@ -208,7 +197,7 @@ class FlameForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_dict: bool | None = None, cache: FlameCache | None = None,
                 past_key_values: FlameCache | None = None, use_cache: bool | None = None,
-                **kwargs) -> FlameCausalLMOutput:
+                **kwargs) -> CausalLMOutputWithPast:
         """Logits of every position (and the loss with labels); with a `FlameCache` (or use_cache),
         the logits of input_ids continuing the cache's state instead (`FlameCache.advance`)."""
         if input_ids is None:
@@ -224,7 +213,7 @@ class FlameForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError("labels with a cache: the loss needs the logits of every position (pass no cache)")
             with torch.no_grad():
                 logits = cache.advance(self.model, input_ids, attention_mask)
-            return FlameCausalLMOutput(logits=logits, **{CACHE_FIELD: cache})
+            return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: cache})
         logits = self.logits(input_ids, attention_mask)
         loss = None
         if labels is not None:
@@ -233,7 +222,7 @@ class FlameForCausalLM(PreTrainedModel, GenerationMixin):
                 shifted = shifted.masked_fill(~attention_mask[:, 1:].bool().to(logits.device), IGNORE_INDEX)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), shifted.flatten(),
                                    ignore_index=IGNORE_INDEX)
-        return FlameCausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                       cache: FlameCache | None = None, past_key_values: FlameCache | None = None,

@@ -164,6 +164,21 @@ def test_decode_step_on_the_triton_kernels_under_the_interpreter(family):
     assert_steps_follow(model, Decoder(twin, 2), ids, 5, tol=1e-4)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile the kernels for real")
+def test_decode_kernels_compile_for_sm90():
+    """The interpreter runs kernels as Python; the GPU compiler may reject what it accepts
+    (tests/inference/sm90_decode.py compiles each specialization the 340M models launch)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.inference.sm90_decode"], cwd=Path(__file__).resolve().parents[2],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"decode kernels that do not compile for sm_90:\n{run.stdout}\n{run.stderr[-3000:]}"
+
+
 def gpu_model(family: str):
     """A 340M-size model (the shipped config's shape) with random weights in bf16 on CUDA: the
     official init, every parameter then perturbed so that the zero-initialised projections count."""

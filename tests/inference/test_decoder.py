@@ -6,6 +6,11 @@ decoder's cache and weight refresh; on CUDA, the captured graph against the eage
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -168,11 +173,6 @@ def test_decode_step_on_the_triton_kernels_under_the_interpreter(family):
 def test_decode_kernels_compile_for_sm90():
     """The interpreter runs kernels as Python; the GPU compiler may reject what it accepts
     (tests/inference/sm90_decode.py compiles each specialization the 340M models launch)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "tests.inference.sm90_decode"], cwd=Path(__file__).resolve().parents[2],
                          env=env, capture_output=True, text=True, timeout=600)
@@ -184,7 +184,6 @@ def gpu_model(family: str):
     official init, every parameter then perturbed so that the zero-initialised projections count."""
     from flame.config import load_config
     from tests.models.helpers import build_on_meta
-    from pathlib import Path
 
     args = load_config(["--config", str(Path(__file__).resolve().parents[2] / "configs" / f"{family}_340M.toml")]).model
     model = build_on_meta(args, seed=0, device="cuda")

@@ -13,13 +13,13 @@ What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 3200
   captures the CUDA graph); both times include the same prefill. flame: `flame.generate.generate`
   (the decode step replayed as a CUDA graph; "graph step ms" is one replay alone, without the
   sampling). hf: flame's Hugging Face model class (flame.export.hf) through transformers'
-  `generate`, whose FlameCache runs the same decode step. fla (optional, imported only when installed): the family built by fla with the same
-  shape, through transformers' `generate` with fla's recurrent cache, forced to the same length.
-  rwkv (optional: `pip install rwkv`): the official package on flame's `--format rwkv` export of
-  the same weights (RWKV6 and RWKV7), strategy --rwkv-strategy, in a subprocess per family (its
-  environment switches are set before import). The package decodes one sequence per call, so
-  batch B runs B calls per token; only --rwkv-batch-sizes are measured, from a prompt of
-  --rwkv-prompt-len tokens.
+  `generate`, whose FlameCache runs the same decode step. fla (optional, imported only when
+  installed): the family built by fla with the same shape, through transformers' `generate` with
+  fla's recurrent cache, forced to the same length. rwkv (optional: `pip install rwkv`): the
+  official package on flame's `--format rwkv` export of the same weights (RWKV6 and RWKV7),
+  strategy --rwkv-strategy, in a subprocess per family (its environment switches are set before
+  import). The package decodes one sequence per call, so batch B runs B calls per token; only
+  --rwkv-batch-sizes are measured, from a prompt of --rwkv-prompt-len tokens.
 - prefill: --prefill-batch x --prefill-len tokens through the chunked kernels to the recurrent state
   (flame `forward_with_state`, fla's forward with use_cache); flame's eval forward (the fused
   LM-head loss, `flame.eval`) on the same tokens; the rwkv package prefills one sequence of
@@ -410,7 +410,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--libs", default=",".join(LIBS),
-                        help="flame, hf, fla and/or rwkv (hf, fla and rwkv are optional: skipped with a note when missing)")
+                        help="flame, hf, fla and/or rwkv (hf, fla and rwkv are optional: skipped with a note when "
+                             "missing)")
     parser.add_argument("--batch-sizes", default="1,8,64,256")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)

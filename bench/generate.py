@@ -1,7 +1,7 @@
 """Generation throughput of the shipped 340M configs on one GPU: flame, fla 0.6 and the official
 `rwkv` package, on the same random weights.
 
-    python bench/generate.py --out generate.json                    # rwkv7, rwkv6, gsa; flame, fla, rwkv
+    python bench/generate.py --out generate.json          # rwkv7, rwkv6, gsa; flame, hf, fla, rwkv
     python bench/generate.py --families rwkv7,rwkv6,gsa --libs flame --out generate.json
 
 What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 32000), per family of

@@ -1,29 +1,44 @@
-"""Generation throughput of the shipped 340M configs on one GPU: flame.generate against fla's.
+"""Generation throughput of the shipped 340M configs on one GPU: flame, fla 0.6 and the official
+`rwkv` package, on the same random weights.
 
-    python bench/generate.py                                   # rwkv7, rwkv6, gsa; batch 1 and 64
-    python bench/generate.py --families rwkv7 --batch-sizes 1 --libs flame
+    python bench/generate.py --out generate.json          # rwkv7, rwkv6, gsa; flame, hf, fla, rwkv
+    python bench/generate.py --families rwkv7,rwkv6,gsa --libs flame --out generate.json
 
-What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 32000): each family's
-`configs/<family>_340M.toml` model continues B random prompts of --prompt-len tokens by --new-tokens
-greedy tokens, at every batch size of --batch-sizes. flame: `flame.generate.generate` (the prompt
-through the chunked kernels once, then one fused recurrent step per token). fla (0.6, optional,
-imported only when installed and asked for): the same family built by fla with the same shape,
-through transformers' `generate` with fla's own recurrent cache, forced to the same length
-(min_new_tokens).
+What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 32000), per family of
+--families (`configs/<family>_340M.toml`):
 
-Per family, library and batch size it reports the prefill time (a generation of one token), the
-decoding throughput (new tokens of the whole batch per second after the prefill) and the
-end-to-end throughput (new tokens per second including the prefill), from the median times of
---repeats runs after one untimed warm-up run (Triton compilation and autotuning), and the peak
-memory. The prefill is timed as a generation of one token, the same way for both libraries.
+- decode: B random prompts of --prompt-len tokens continued by --new-tokens greedy tokens, at
+  every batch size of --batch-sizes. Decoding tokens/s = B * (new_tokens - 1) / (time of
+  new_tokens - time of 1), the medians of --repeats runs after one warm-up run (compiles,
+  captures the CUDA graph); both times include the same prefill. flame: `flame.generate.generate`
+  (the decode step replayed as a CUDA graph; "graph step ms" is one replay alone, without the
+  sampling). hf: flame's Hugging Face model class (flame.export.hf) through transformers'
+  `generate`, whose FlameCache runs the same decode step. fla (optional, imported only when
+  installed): the family built by fla with the same shape, through transformers' `generate` with
+  fla's recurrent cache, forced to the same length. rwkv (optional: `pip install rwkv`): the
+  official package on flame's `--format rwkv` export of the same weights (RWKV6 and RWKV7),
+  strategy --rwkv-strategy, in a subprocess per family (its environment switches are set before
+  import). The package decodes one sequence per call, so batch B runs B calls per token; only
+  --rwkv-batch-sizes are measured, from a prompt of --rwkv-prompt-len tokens.
+- prefill: --prefill-batch x --prefill-len tokens through the chunked kernels to the recurrent state
+  (flame `forward_with_state`, fla's forward with use_cache); flame's eval forward (the fused
+  LM-head loss, `flame.eval`) on the same tokens; the rwkv package prefills one sequence of
+  --rwkv-prompt-len tokens.
+- the peak GPU memory of each measurement.
+
+A library that is not installed, or that fails on a family, is reported with a note and the
+others go on. The final tables print to stdout; --out writes every row as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,160 +46,475 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 FAMILIES = ("rwkv7", "rwkv6", "gsa")
-LIBS = ("flame", "fla")
+LIBS = ("flame", "hf", "fla", "rwkv")
+RWKV_FAMILIES = ("rwkv7", "rwkv6")
+TINY = dict(hidden_size=128, num_layers=2, vocab_size=256, head_dim=64, num_heads=2, num_slots=16)
+"""--tiny: a model small enough for a CPU smoke run of the script (RWKV head size 64, as the rwkv
+package's RWKV7 requires)."""
+WORKER_TIMEOUT_S = 900
 
 
-def model_args(family: str):
+def model_args(family: str, tiny: bool):
+    import dataclasses
+
     from flame.config import load_config
 
-    return load_config(["--config", str(REPO / "configs" / f"{family}_340M.toml")]).model
+    args = load_config(["--config", str(REPO / "configs" / f"{family}_340M.toml")]).model
+    return dataclasses.replace(args, **TINY) if tiny else args
 
 
-def build_flame(family: str, device):
+def build_flame(family: str, device, tiny: bool = False):
+    """flame's model of the family, random official init, bf16 (fp32 on CPU), eval mode."""
     import torch
 
     from flame.models import build_model
 
-    args = model_args(family)
+    args = model_args(family, tiny)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device=device)
     model.init_weights()
-    return model.to(torch.bfloat16).eval(), args.vocab_size
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return model.to(dtype).eval()
 
 
-def build_fla(family: str, device):
+def build_fla(family: str, device, tiny: bool = False):
     """fla's model of the family, shaped like flame's config (the mapping of bench/train_step.py)."""
     import torch
 
     from bench.train_step import fla_model_factory
 
-    args = model_args(family)
     torch.manual_seed(0)
-    model = fla_model_factory(family)(args).inner
-    return model.to(device=device, dtype=torch.bfloat16).eval(), args.vocab_size
+    model = fla_model_factory(family)(model_args(family, tiny)).inner
+    return model.to(device=device, dtype=torch.bfloat16).eval()
 
 
-def timed(fn, repeats: int, device) -> tuple[float, object]:
-    """(median seconds of `repeats` calls after one warm-up call, the last result)."""
+def sync(device) -> None:
     import torch
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    result = fn()
+
+def timed(fn, repeats: int, device, warmup: int = 1) -> tuple[float, object]:
+    """(median seconds of `repeats` calls after `warmup` calls, the last result)."""
+    result = None
+    for _ in range(warmup):
+        result = fn()
     times = []
     for _ in range(repeats):
-        sync()
+        sync(device)
         start = time.perf_counter()
         result = fn()
-        sync()
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
 
 
-def bench_one(family: str, lib: str, batch_sizes: list[int], prompt_len: int, new_tokens: int,
-              repeats: int, device) -> list[dict]:
-    """The prefill is measured as a generation of one token, so both libraries are timed the same
-    way: decoding throughput = batch * (new_tokens - 1) / (time of new_tokens - time of 1)."""
+def reset_memory(device) -> None:
     import torch
 
-    model, vocab = (build_flame if lib == "flame" else build_fla)(family, device)
-    cuda = device.type == "cuda"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def random_ids(vocab: int, batch: int, length: int, device, seed: int):
+    import torch
+
+    return torch.randint(0, vocab, (batch, length), device=device,
+                         generator=torch.Generator(device=device).manual_seed(seed))
+
+
+def model_name(family: str, args) -> str:
+    return f"{family} {'tiny' if args.tiny else '340M'}"
+
+
+def decode_row(family, lib, batch, args, prefill_s, total_s, device, **extra) -> dict:
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {"family": family, "model": model_name(family, args), "lib": lib, "kind": "decode", "batch": batch,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "prefill_ms": prefill_s * 1e3,
+            "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode_s,
+            "ms_per_step": decode_s * 1e3 / (args.new_tokens - 1), "peak_gib": peak_gib(device), **extra}
+
+
+# ---- flame ------------------------------------------------------------------------------------
+
+def bench_flame(family: str, args, device) -> list[dict]:
+    import torch
+
+    from flame.generate import generate
+    from flame.inference import value_checks_off
+    from flame.models.decoder import decoder_for, prefill, release_decoders
+
+    model = build_flame(family, device, args.tiny)
     rows = []
-    for batch in batch_sizes:
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        prompts = torch.randint(0, vocab, (batch, prompt_len), device=device,
-                                generator=torch.Generator(device=device).manual_seed(batch))
-
-        def run(n: int):
-            with torch.no_grad():
-                if lib == "flame":
-                    from flame.generate import generate
-
-                    return generate(model, prompts, max_new_tokens=n, temperature=0)
-                return model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                      use_cache=True, pad_token_id=0)[:, prompt_len:]
-
-        prefill_s, _ = timed(lambda: run(1), repeats, device)
-        total_s, out = timed(lambda: run(new_tokens), repeats, device)
-        if out.shape != (batch, new_tokens):
-            raise RuntimeError(f"{family}/{lib}: generated shape {tuple(out.shape)}, expected {(batch, new_tokens)}")
-        decode_s = max(total_s - prefill_s, 1e-9)
-        rows.append({
-            "family": family, "lib": lib, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "prefill_ms": prefill_s * 1e3,
-            "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s,
-            "ms_per_step": decode_s * 1e3 / (new_tokens - 1),
-            "end_to_end_tokens_per_s": batch * new_tokens / total_s,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan"),
-        })
+    with torch.no_grad():
+        reset_memory(device)
+        ids = random_ids(model.vocab_size, args.prefill_batch, args.prefill_len + 1, device, seed=1)
+        inputs, labels = ids[:, :-1], ids[:, 1:]
+        with value_checks_off():
+            prefill_s, _ = timed(lambda: prefill(model, inputs), args.repeats, device)
+            prefill_peak = peak_gib(device)
+            reset_memory(device)
+            eval_s, _ = timed(lambda: model(inputs, labels=labels), args.repeats, device)
+        tokens = inputs.numel()
+        rows.append({"family": family, "model": model_name(family, args), "lib": "flame", "kind": "prefill",
+                     "batch": args.prefill_batch,
+                     "seq_len": args.prefill_len, "prefill_tokens_per_s": tokens / prefill_s,
+                     "eval_tokens_per_s": tokens / eval_s, "prefill_peak_gib": prefill_peak,
+                     "eval_peak_gib": peak_gib(device)})
         print(json.dumps(rows[-1]), flush=True)
+        del ids, inputs, labels
+
+        for batch in args.batch_sizes:
+            release_decoders(model)
+            reset_memory(device)
+            prompts = random_ids(model.vocab_size, batch, args.prompt_len, device, seed=batch)
+            run = lambda n: generate(model, prompts, max_new_tokens=n, temperature=0)  # noqa: E731
+            first_s, _ = timed(lambda: run(1), args.repeats, device)
+            total_s, out = timed(lambda: run(args.new_tokens), args.repeats, device)
+            if tuple(out.shape) != (batch, args.new_tokens):
+                raise RuntimeError(f"generated shape {tuple(out.shape)}, expected {(batch, args.new_tokens)}")
+            decoder = decoder_for(model, batch)
+            step_s, _ = timed(decoder.step, 1, device, warmup=3)  # a coarse first look, refined below
+            n_steps = max(10, min(200, int(0.2 / max(step_s, 1e-6))))
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(n_steps):
+                decoder.step()
+            sync(device)
+            step_ms = (time.perf_counter() - start) * 1e3 / n_steps
+            rows.append(decode_row(family, "flame", batch, args, first_s, total_s, device,
+                                   graph_step_ms=step_ms, graphed=decoder.graphed))
+            print(json.dumps(rows[-1]), flush=True)
+            if args.profile and batch == args.batch_sizes[0] and device.type == "cuda":
+                print_step_profile(family, batch, decoder)
+            del decoder, out  # this batch's buffers and graph go before the next batch's peak is measured
+        release_decoders(model)
     return rows
 
+
+def print_step_profile(family: str, batch: int, decoder, steps: int = 20) -> None:
+    """The kernels of one decoding step (from `steps` graph replays under torch.profiler): how many,
+    and the ones that take the most time."""
+    from collections import defaultdict
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder.step()
+        torch.cuda.synchronize()
+    totals, counts = defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time_total
+            counts[event.name] += 1
+    kernels = sum(counts.values()) / steps
+    busy = sum(totals.values()) / steps
+    print(f"\n{family} batch {batch}: {kernels:.0f} kernels per step, {busy:.0f} us of kernel time per step")
+    for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {total / steps:8.1f} us  {counts[name] / steps:5.1f} x  {name[:100]}")
+
+
+# ---- flame's Hugging Face export -------------------------------------------------------------------
+
+def bench_hf(family: str, args, device) -> list[dict]:
+    """flame's FlameForCausalLM (the class an `hf` export loads) through transformers' generate."""
+    import dataclasses
+
+    import torch
+
+    from flame.export.hf import FlameConfig, FlameForCausalLM
+
+    config = FlameConfig(**dataclasses.asdict(model_args(family, args.tiny)), pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = FlameForCausalLM(config)
+    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for batch in args.batch_sizes:
+            reset_memory(device)
+            prompts = random_ids(config.vocab_size, batch, args.prompt_len, device, seed=batch)
+
+            def run(n: int):
+                return model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False)[:, args.prompt_len:]
+
+            first_s, _ = timed(lambda: run(1), args.repeats, device)
+            total_s, out = timed(lambda: run(args.new_tokens), args.repeats, device)
+            if tuple(out.shape) != (batch, args.new_tokens):
+                raise RuntimeError(f"generated shape {tuple(out.shape)}, expected {(batch, args.new_tokens)}")
+            rows.append(decode_row(family, "hf", batch, args, first_s, total_s, device,
+                                   note="transformers' generate loop around flame's decode step"))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ---- fla ----------------------------------------------------------------------------------------
 
 def fla_available() -> bool:
     try:
         import fla  # noqa: F401
-    except Exception:
+    except Exception:  # an fla built for another torch fails with more than ImportError
         return False
     return True
 
 
-def main() -> int:
+def bench_fla(family: str, args, device) -> list[dict]:
+    import torch
+
+    model = build_fla(family, device, args.tiny)
+    vocab = model.config.vocab_size
+    rows = []
+    with torch.no_grad():
+        reset_memory(device)
+        ids = random_ids(vocab, args.prefill_batch, args.prefill_len, device, seed=1)
+        prefill_s, _ = timed(lambda: model(ids, use_cache=True), args.repeats, device)
+        rows.append({"family": family, "model": model_name(family, args), "lib": "fla", "kind": "prefill",
+                     "batch": args.prefill_batch,
+                     "seq_len": args.prefill_len, "prefill_tokens_per_s": ids.numel() / prefill_s,
+                     "prefill_peak_gib": peak_gib(device)})
+        print(json.dumps(rows[-1]), flush=True)
+        del ids
+        for batch in args.batch_sizes:
+            reset_memory(device)
+            prompts = random_ids(vocab, batch, args.prompt_len, device, seed=batch)
+
+            def run(n: int):
+                return model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                                      pad_token_id=0)[:, args.prompt_len:]
+
+            first_s, _ = timed(lambda: run(1), args.repeats, device)
+            total_s, out = timed(lambda: run(args.new_tokens), args.repeats, device)
+            if tuple(out.shape) != (batch, args.new_tokens):
+                raise RuntimeError(f"generated shape {tuple(out.shape)}, expected {(batch, args.new_tokens)}")
+            rows.append(decode_row(family, "fla", batch, args, first_s, total_s, device))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ---- the official rwkv package, in a subprocess ---------------------------------------------------
+
+def rwkv_worker(family: str, args, out_path: str) -> None:
+    """Runs in the subprocess that `bench_rwkv` starts: export flame's weights as an RWKV-LM .pth,
+    load it with the rwkv package, time its prefill and its decoding; write the rows as JSON."""
+    import torch
+
+    from flame.export.rwkv import to_rwkv
+
+    device = torch.device(args.device)
+    model = build_flame(family, device, args.tiny)
+    vocab = model.vocab_size
+    state = to_rwkv({k: v.detach().to("cpu", torch.bfloat16).clone() for k, v in model.state_dict().items()},
+                    family, model.tie_word_embeddings)
+    del model
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / family)
+        torch.save(state, path + ".pth")
+        del state
+        from rwkv.model import RWKV  # the environment switches are set: see bench_rwkv
+
+        rwkv_model = RWKV(model=path, strategy=args.rwkv_strategy)
+    prompt = random_ids(vocab, 1, args.rwkv_prompt_len, device, seed=1)[0].tolist()
+
+    def prefill_one():
+        return rwkv_model.forward(list(prompt), None)
+
+    def decode(batch: int, n: int):
+        """Greedy continuations of `batch` copies of the prompt, one package call per sequence and token."""
+        logits, first_state = prefill_one()
+        states = [[s.clone() for s in first_state] for _ in range(batch)]
+        tokens = [int(logits.argmax())] * batch
+        for _ in range(n - 1):
+            for row in range(batch):
+                out, states[row] = rwkv_model.forward([tokens[row]], states[row])
+                tokens[row] = int(out.argmax())
+        return tokens
+
+    rows = []
+    with torch.no_grad():
+        reset_memory(device)
+        prefill_s, _ = timed(prefill_one, args.repeats, device)
+        rows.append({"family": family, "model": model_name(family, args), "lib": "rwkv", "kind": "prefill",
+                     "batch": 1, "seq_len": args.rwkv_prompt_len,
+                     "prefill_tokens_per_s": args.rwkv_prompt_len / prefill_s, "prefill_peak_gib": peak_gib(device),
+                     "note": f"one sequence per call; strategy {args.rwkv_strategy}"})
+        for batch in args.rwkv_batch_sizes:
+            reset_memory(device)
+            n = args.rwkv_new_tokens
+            first_s, _ = timed(lambda: decode(batch, 1), args.repeats, device)
+            total_s, _ = timed(lambda: decode(batch, n), args.repeats, device)
+            decode_s = max(total_s - first_s, 1e-9)
+            rows.append({"family": family, "model": model_name(family, args), "lib": "rwkv", "kind": "decode",
+                         "batch": batch,
+                         "prompt_len": args.rwkv_prompt_len, "new_tokens": n, "prefill_ms": first_s * 1e3,
+                         "decode_tokens_per_s": batch * (n - 1) / decode_s, "ms_per_step": decode_s * 1e3 / (n - 1),
+                         "peak_gib": peak_gib(device), "note": "one sequence per call"})
+    Path(out_path).write_text(json.dumps(rows))
+
+
+def rwkv_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("rwkv") is not None
+
+
+def transformers_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+def bench_rwkv(family: str, args, device) -> list[dict]:
+    """The rwkv package in a subprocess: it reads RWKV_V7_ON / RWKV_JIT_ON / RWKV_CUDA_ON at import
+    and keeps module-level state (one RWKV version per process)."""
+    if family not in RWKV_FAMILIES:
+        return [{"family": family, "lib": "rwkv", "kind": "note", "note": "the rwkv package runs RWKV models only"}]
+    env = dict(os.environ, RWKV_JIT_ON="1", RWKV_CUDA_ON="1" if args.rwkv_cuda else "0")
+    env.pop("RWKV_V7_ON", None)
+    if family == "rwkv7":
+        env["RWKV_V7_ON"] = "1"
+    with tempfile.TemporaryDirectory() as folder:
+        out_path = str(Path(folder) / "rows.json")
+        command = [sys.executable, str(Path(__file__).resolve()), "--rwkv-worker", family, "--worker-out", out_path,
+                   *args.argv]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the rwkv package worker ran past {WORKER_TIMEOUT_S} s") from None
+        if done.returncode != 0 or not Path(out_path).is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"the rwkv package worker failed (exit {done.returncode}): {' | '.join(tail)}")
+        rows = json.loads(Path(out_path).read_text())
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--libs", default=",".join(LIBS),
-                        help="flame and/or fla (fla and transformers are imported only for fla, and "
-                             "skipped with a note when fla is not installed)")
-    parser.add_argument("--batch-sizes", default="1,64")
+                        help="flame, hf, fla and/or rwkv (hf, fla and rwkv are optional: skipped with a note when "
+                             "missing)")
+    parser.add_argument("--batch-sizes", default="1,8,64,256")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (median)")
-    parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke check)")
-    parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs after the warm-up (median)")
+    parser.add_argument("--prefill-batch", type=int, default=8)
+    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--rwkv-strategy", default=None,
+                        help="the rwkv package's strategy (default: 'cuda bf16', 'cpu fp32' with --device cpu)")
+    parser.add_argument("--rwkv-cuda", action="store_true",
+                        help="RWKV_CUDA_ON=1: the package compiles its CUDA kernels at import (needs nvcc and ninja; "
+                             "its RWKV7 decoding runs without them either way)")
+    parser.add_argument("--rwkv-batch-sizes", default="1,8",
+                        help="batch sizes measured for the rwkv package (one call per sequence and token)")
+    parser.add_argument("--rwkv-new-tokens", type=int, default=64)
+    parser.add_argument("--rwkv-prompt-len", type=int, default=128,
+                        help="the rwkv package's prompt (its prefill walks the tokens one by one without RWKV_CUDA_ON)")
+    parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run, with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 340M configs (a smoke run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the kernels of one flame decoding step at the first batch size (torch.profiler)")
+    parser.add_argument("--out", help="write every row as JSON here")
+    parser.add_argument("--rwkv-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.rwkv_batch_sizes = [int(b) for b in args.rwkv_batch_sizes.split(",")]
+    if args.rwkv_strategy is None:
+        args.rwkv_strategy = "cuda bf16" if args.device.startswith("cuda") else "cpu fp32"
+    return args
 
+
+def print_tables(results: list[dict]) -> None:
+    fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+    print("\n| model | lib | batch | decode tokens/s | ms/step | graph step ms | peak GiB | note |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if r.get("kind") == "decode":
+            note = r.get("note", "") or ("" if r.get("graphed", True) else "not graphed")
+            print(f"| {r['model']} | {r['lib']} | {r['batch']} | {r['decode_tokens_per_s']:,.0f} | "
+                  f"{r['ms_per_step']:.2f} | {fmt(r.get('graph_step_ms'), '.3f')} | {fmt(r['peak_gib'], '.2f')} | "
+                  f"{note} |")
+    print("\n| model | lib | prefill tokens | prefill tokens/s | eval tokens/s | peak GiB | note |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if r.get("kind") == "prefill":
+            print(f"| {r['model']} | {r['lib']} | {r['batch']} x {r['seq_len']} | "
+                  f"{r['prefill_tokens_per_s']:,.0f} | {fmt(r.get('eval_tokens_per_s'), ',.0f')} | "
+                  f"{fmt(r.get('prefill_peak_gib'), '.2f')} | {r.get('note', '')} |")
+    notes = [r for r in results if r.get("kind") in ("error", "note")]
+    if notes:
+        print()
+        for r in notes:
+            print(f"- {r['family']}/{r['lib']}: {r.get('error') or r.get('note')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
     device = torch.device(args.device)
+    if args.rwkv_worker:
+        rwkv_worker(args.rwkv_worker, args, args.worker_out)
+        return 0
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/generate.py needs a CUDA GPU (--device cpu runs a slow smoke check)", file=sys.stderr)
+        print("bench/generate.py needs a CUDA GPU (--device cpu --tiny runs a smoke check)", file=sys.stderr)
         return 1
-    if args.new_tokens < 2:
-        print("--new-tokens must be >= 2 (the decoding rate is measured beyond the first token)", file=sys.stderr)
+    if args.new_tokens < 2 or args.rwkv_new_tokens < 2:
+        print("--new-tokens and --rwkv-new-tokens must be >= 2 (the decoding rate is measured beyond the first "
+              "token)", file=sys.stderr)
         return 1
     libs = args.libs.split(",")
-    if "fla" in libs and not fla_available():
-        print("fla is not installed: measuring flame only", flush=True)
-        libs.remove("fla")
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    results = []
+    unknown = [lib for lib in libs if lib not in LIBS]
+    if unknown:
+        print(f"unknown --libs {unknown}: expected some of {', '.join(LIBS)}", file=sys.stderr)
+        return 1
+    results: list[dict] = []
+    for lib, available, hint in (("hf", transformers_available, "pip install transformers"),
+                                 ("fla", fla_available, "pip install flash-linear-attention==0.6.0"),
+                                 ("rwkv", rwkv_available, "pip install rwkv")):
+        if lib in libs and not available():
+            note = f"{lib} is not installed: skipped ({hint})"
+            print(note, flush=True)
+            results.append({"family": "-", "lib": lib, "kind": "note", "note": note})
+            libs.remove(lib)
+    from bench.timing import versions
+
+    print(f"# {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {versions()}", flush=True)
+    benches = {"flame": bench_flame, "hf": bench_hf, "fla": bench_fla, "rwkv": bench_rwkv}
+    started = time.perf_counter()
     for family in args.families.split(","):
         for lib in libs:
             try:
-                results += bench_one(family, lib, batch_sizes, args.prompt_len, args.new_tokens, args.repeats,
-                                     device)
+                results += benches[lib](family, args, device)
             except Exception as err:  # one library failing on one family does not stop the others
-                print(f"{family}/{lib}: {type(err).__name__}: {err}", flush=True)
-                results.append({"family": family, "lib": lib, "error": f"{type(err).__name__}: {err}"})
-
-    print()
-    print("| model | lib | batch | prefill ms | decode tokens/s | ms/step | end-to-end tokens/s | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        if "error" in r:
-            print(f"| {r['family']} | {r['lib']} | | error: {r['error'][:80]} | | | | |")
-            continue
-        print(f"| {r['family']} 340M | {r['lib']} | {r['batch']} | {r['prefill_ms']:.1f} | "
-              f"{r['decode_tokens_per_s']:.0f} | {r['ms_per_step']:.2f} | {r['end_to_end_tokens_per_s']:.0f} | "
-              f"{r['peak_gib']:.2f} |")
+                message = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+                print(f"{family}/{lib}: {message}", flush=True)
+                results.append({"family": family, "lib": lib, "kind": "error", "error": message})
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print_tables(results)
+    print(f"\n{time.perf_counter() - started:.0f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

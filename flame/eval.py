@@ -8,6 +8,10 @@ Every token after the first is predicted once, in non-overlapping windows of seq
 each start from an empty state (the trainer's validation loss on the same windows). Bits per byte
 divide the total cross-entropy by ln 2 and by the UTF-8 bytes of the text whose tokens were
 predicted, which makes models with different tokenizers comparable.
+
+The windows run batch_size at a time through the chunked kernels and the fused LM-head loss (the
+model's forward with labels: no [tokens, vocab] logits), at the speed of the training step's
+forward; a progress line on stderr shows the tokens done and the tokens per second.
 """
 
 from __future__ import annotations
@@ -15,11 +19,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command, value_checks_off
 
@@ -64,10 +68,30 @@ def predicted_bytes(stream: np.ndarray, offsets: np.ndarray, doc_bytes: np.ndarr
     return total
 
 
+class Progress:
+    """A progress line on a text stream (stderr by default), rewritten in place: batches and tokens
+    done, tokens per second. `out=None` shows nothing."""
+
+    def __init__(self, total_tokens: int, out=sys.stderr):
+        self.total, self.out = total_tokens, out
+        self.start = time.perf_counter()
+
+    def update(self, done_tokens: int, batches: int, total_batches: int) -> None:
+        if self.out is None:
+            return
+        rate = done_tokens / max(time.perf_counter() - self.start, 1e-9)
+        end = "\n" if batches == total_batches else ""
+        self.out.write(f"\rflame.eval: batch {batches}/{total_batches} | {done_tokens}/{self.total} tokens | "
+                       f"{rate:,.0f} tokens/s{end}")
+        self.out.flush()
+
+
 @torch.no_grad()
-def cross_entropy_of_stream(model, stream: np.ndarray, num_tokens: int, seq_len: int, batch_size: int) -> float:
+def cross_entropy_of_stream(model, stream: np.ndarray, num_tokens: int, seq_len: int, batch_size: int,
+                            progress=None) -> float:
     """Total cross-entropy (nats, summed in fp64) of stream[1:num_tokens+1] predicted from
-    stream[:num_tokens] in windows of seq_len tokens, batch_size windows per forward."""
+    stream[:num_tokens] in windows of seq_len tokens, batch_size windows per forward (the model's
+    fused loss); `progress` (a Progress) is updated after each batch."""
     device = model.embeddings.weight.device
     ids = torch.from_numpy(stream[:num_tokens + 1].astype(np.int64))
     full = num_tokens // seq_len
@@ -77,23 +101,34 @@ def cross_entropy_of_stream(model, stream: np.ndarray, num_tokens: int, seq_len:
     if num_tokens % seq_len:
         batches.append((ids[full * seq_len:num_tokens][None], ids[full * seq_len + 1:][None]))
     total = torch.zeros((), dtype=torch.float64, device=device)
+    done = 0
     with value_checks_off():
-        for x, y in batches:
-            logits = model(x.to(device))
-            total += F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten(), reduction="sum").double()
+        for i, (x, y) in enumerate(batches):
+            total += model(x.to(device, non_blocking=True), labels=y.to(device, non_blocking=True)).double()
+            done += y.numel()
+            if progress is not None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the rate counts finished work, not queued work
+                progress.update(done, i + 1, len(batches))
     return float(total)
 
 
-def evaluate(model, tokenizer, data: str, seq_len: int = 2048, batch_size: int = 4, max_tokens: int = 0,
-             text_field: str = "text") -> dict[str, float]:
-    """`lm_metrics` of `model` on the file `data`: at most max_tokens predicted tokens (0: all)."""
+def evaluate(model, tokenizer, data: str, seq_len: int = 2048, batch_size: int = 8, max_tokens: int = 0,
+             text_field: str = "text", progress_out=None) -> dict[str, float]:
+    """`lm_metrics` of `model` on the file `data`: at most max_tokens predicted tokens (0: all),
+    plus the evaluation's `seconds` and `tokens_per_second` (the forwards only, not the reading
+    and tokenizing). progress_out: a text stream for the progress line (None: none)."""
     if seq_len < 1 or batch_size < 1 or max_tokens < 0:
         raise InferenceError(f"seq_len and batch_size must be >= 1 and max_tokens >= 0, got {seq_len}, "
                              f"{batch_size}, {max_tokens}")
     stream, offsets, doc_bytes = read_documents(data, tokenizer, text_field)
     num_tokens = len(stream) - 1 if max_tokens == 0 else min(max_tokens, len(stream) - 1)
-    nats = cross_entropy_of_stream(model, stream, num_tokens, seq_len, batch_size)
-    return lm_metrics(nats, num_tokens, predicted_bytes(stream, offsets, doc_bytes, num_tokens, tokenizer))
+    start = time.perf_counter()
+    nats = cross_entropy_of_stream(model, stream, num_tokens, seq_len, batch_size,
+                                   Progress(num_tokens, progress_out))
+    seconds = time.perf_counter() - start
+    metrics = lm_metrics(nats, num_tokens, predicted_bytes(stream, offsets, doc_bytes, num_tokens, tokenizer))
+    return {**metrics, "seconds": seconds, "tokens_per_second": num_tokens / max(seconds, 1e-9)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -107,7 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", required=True, help="a .txt file, or a .jsonl file with a text field per line")
     parser.add_argument("--text-field", default="text", help="the .jsonl field holding the text (default: text)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per evaluation window (default 2048)")
-    parser.add_argument("--batch-size", type=int, default=4, help="windows per forward (default 4)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     parser.add_argument("--max-tokens", type=int, default=0, help="evaluate at most this many tokens (0: all)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -123,9 +158,11 @@ def run(argv: list[str] | None = None) -> None:
         raise InferenceError(f"--data {args.data} is not a file")
     device = resolve_device(args.device)
     model, tokenizer = load_for_inference(args.model, device, resolve_dtype(args.dtype, device))
-    m = evaluate(model, tokenizer, args.data, args.seq_len, args.batch_size, args.max_tokens, args.text_field)
+    m = evaluate(model, tokenizer, args.data, args.seq_len, args.batch_size, args.max_tokens, args.text_field,
+                 progress_out=sys.stderr)
     print(f"loss {m['loss']:.4f} nats/token | perplexity {m['perplexity']:.3f} | "
-          f"bits per byte {m['bits_per_byte']:.4f} | {m['tokens']} tokens, {m['bytes']} bytes")
+          f"bits per byte {m['bits_per_byte']:.4f} | {m['tokens']} tokens, {m['bytes']} bytes | "
+          f"{m['tokens_per_second']:,.0f} tokens/s")
 
 
 def main(argv: list[str] | None = None) -> int:

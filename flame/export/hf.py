@@ -5,18 +5,21 @@ An exported `hf` folder holds flame's own parameter names under `model.` and a c
 `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` runs flame's own model
 classes (and kernels) in any Python that has flame installed. `transformers` is needed only here.
 
-Generation recomputes the whole prefix for every new token (the model keeps no recurrent cache
-between calls): correct for any sampling method, quadratic in the generated length.
+`generate` keeps flame's recurrent state in a `FlameCache` (a transformers `Cache`): the prompt
+runs once through the chunked kernels (padded rows packed without their padding), then every new
+token is one decoding step over static buffers, a CUDA graph on CUDA (flame.models.decoder).
+With use_cache=False every step recomputes the whole prefix instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers import Cache, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from flame.config import Model
 from flame.config.job import TRAINING_MEMORY_FIELDS
@@ -29,6 +32,10 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_flame.FlameForCausalLM",
 }
 IGNORE_INDEX = -100
+CACHE_FIELD = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+               else "past_key_values")
+"""The name transformers gives the cache in model outputs (CausalLMOutputWithPast) and generation
+kwargs: `cache` since transformers 5 renamed `past_key_values`."""
 
 
 def model_fields() -> dict[str, object]:
@@ -49,7 +56,7 @@ class FlameConfig(PretrainedConfig):
         values = {name: kwargs.pop(name, default) for name, default in model_fields().items()}
         values["backend"] = "auto"  # the exporting run's kernels may not exist where it is loaded
         values.update(dict.fromkeys(TRAINING_MEMORY_FIELDS, False))
-        kwargs.setdefault("use_cache", False)
+        kwargs.setdefault("use_cache", True)
         super().__init__(tie_word_embeddings=bool(values["tie_word_embeddings"]), **kwargs)
         for name, value in values.items():
             setattr(self, name, value)
@@ -59,16 +66,88 @@ class FlameConfig(PretrainedConfig):
         return Model(**{name: getattr(self, name) for name in model_fields()})
 
 
+class FlameCache(Cache):
+    """flame's recurrent state of a batch behind transformers' `Cache`: a `Decoder`'s static
+    buffers (flame.models.decoder), filled by the prompt's prefill and moved on one token per
+    forward. It cannot be cropped (a recurrent state forgets), so transformers' assisted decoding
+    is refused (`_is_stateful`)."""
+
+    is_compileable = False
+
+    def __init__(self):
+        try:
+            super().__init__(layers=[])
+        except TypeError:  # transformers 4, whose Cache takes no arguments
+            super().__init__()
+        self.decoder = None
+        self.seen_tokens = 0
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [True]  # transformers slices no inputs by the cache's length: prepare_inputs does
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1  # no limit: the state's size does not grow
+
+    def advance(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Logits [B, n, V] of the n tokens of input_ids [B, n] that continue the cache. The first
+        call prefills the prompts (its attention_mask's padding left out: each row's own tokens,
+        packed) and gives each row's last logits, [B, 1, V]."""
+        from flame.models.decoder import decoder_for, prefill
+
+        if self.decoder is None:
+            if attention_mask is None or bool(attention_mask.bool().all()):
+                prompts = input_ids
+            else:
+                keep = attention_mask.bool().to(input_ids.device)
+                prompts = [row[mask] for row, mask in zip(input_ids, keep)]
+                if any(p.numel() == 0 for p in prompts):
+                    raise ValueError("attention_mask masks out every token of a row")
+            logits, state = prefill(model, prompts)
+            self.decoder = decoder_for(model, input_ids.shape[0])
+            self.decoder.load(state)
+            self.seen_tokens = input_ids.shape[1]
+            return logits[:, None]
+        steps = []
+        for t in range(input_ids.shape[1]):
+            self.decoder.tokens.copy_(input_ids[:, t])
+            steps.append(self.decoder.step().clone())  # the decoder's buffer: the next step overwrites it
+        self.seen_tokens += input_ids.shape[1]
+        return torch.stack(steps, dim=1)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i of the state becomes row beam_idx[i]."""
+        for layer in self.decoder.state:
+            for field in ("attn_shift", "ffn_shift"):
+                buffer = getattr(layer, field)
+                if buffer is not None:
+                    buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
+            for buffer in layer.recurrent if isinstance(layer.recurrent, tuple) else (layer.recurrent,):
+                buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
+
+
 class FlameForCausalLM(PreTrainedModel, GenerationMixin):
     """flame's `CausalLM` (as `self.model`) behind the Hugging Face causal-LM interface:
-    `forward(input_ids, attention_mask=None, labels=None) -> CausalLMOutput` and `generate`."""
+    `forward(input_ids, attention_mask=None, labels=None, cache=None) -> CausalLMOutputWithPast` and
+    `generate`."""
 
     config_class = FlameConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _tied_weights_keys = {"model.lm_head.weight": "model.embeddings.weight"}
-    _supports_cache_class = False
+    _supports_cache_class = False  # transformers builds no cache of its own: prepare_inputs makes a FlameCache
     _is_stateful = True  # a recurrent model: transformers refuses assisted decoding, which crops caches
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
 
     def __init__(self, config: FlameConfig):
         super().__init__(config)
@@ -112,9 +191,25 @@ class FlameForCausalLM(PreTrainedModel, GenerationMixin):
         return out
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, return_dict: bool | None = None, **kwargs) -> CausalLMOutput:
+                labels: torch.Tensor | None = None, return_dict: bool | None = None, cache: FlameCache | None = None,
+                past_key_values: FlameCache | None = None, use_cache: bool | None = None,
+                **kwargs) -> CausalLMOutputWithPast:
+        """Logits of every position (and the loss with labels); with a `FlameCache` (or use_cache),
+        the logits of input_ids continuing the cache's state instead (`FlameCache.advance`)."""
         if input_ids is None:
             raise ValueError("FlameForCausalLM needs input_ids (inputs_embeds are not supported)")
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache and labels is None:
+            cache = FlameCache()
+        if cache is not None:
+            if not isinstance(cache, FlameCache):
+                raise TypeError(f"FlameForCausalLM keeps its recurrent state in a FlameCache, got "
+                                f"{type(cache).__name__}")
+            if labels is not None:
+                raise ValueError("labels with a cache: the loss needs the logits of every position (pass no cache)")
+            with torch.no_grad():
+                logits = cache.advance(self.model, input_ids, attention_mask)
+            return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: cache})
         logits = self.logits(input_ids, attention_mask)
         loss = None
         if labels is not None:
@@ -123,12 +218,21 @@ class FlameForCausalLM(PreTrainedModel, GenerationMixin):
                 shifted = shifted.masked_fill(~attention_mask[:, 1:].bool().to(logits.device), IGNORE_INDEX)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), shifted.flatten(),
                                    ignore_index=IGNORE_INDEX)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                                      **kwargs) -> dict:
-        """Every step sees the whole sequence so far (no cache)."""
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+                                      cache: FlameCache | None = None, past_key_values: FlameCache | None = None,
+                                      use_cache: bool | None = None, **kwargs) -> dict:
+        """With the cache (use_cache, the default): the first step passes the prompt and a new
+        FlameCache, every later one only the tokens the cache has not seen. Without: the whole
+        sequence so far at every step."""
+        if use_cache is False:
+            return {"input_ids": input_ids, "attention_mask": attention_mask}
+        cache = cache if cache is not None else past_key_values
+        if cache is None:
+            cache = FlameCache()
+        return {"input_ids": input_ids[:, cache.get_seq_length():], "attention_mask": attention_mask, "cache": cache}
 
 
-__all__ = ["AUTO_MAP", "FlameConfig", "FlameForCausalLM", "MODELING_FILE", "MODEL_TYPE", "model_fields"]
+__all__ = ["AUTO_MAP", "FlameCache", "FlameConfig", "FlameForCausalLM", "MODELING_FILE", "MODEL_TYPE",
+           "model_fields"]

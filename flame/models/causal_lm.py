@@ -15,6 +15,7 @@ from torch import nn
 from flame.models.init import default_init_skipped
 from flame.models.state import LayerState
 from flame.ops.dtypes import to_compute_dtype
+from flame.ops.norm_mix import norm_mix
 from flame.ops.linear_cross_entropy import linear_cross_entropy
 from flame.models.varlen import check_cu_seqlens
 
@@ -34,7 +35,13 @@ class CausalLM(nn.Module):
     Subclasses implement `_build_layers(args)`, `_build_norm(args)` and
     `_init_embeddings_and_head()`; blocks implement `init_weights()` and
     `state_flops_per_token()`. Blocks take `(x, cu_seqlens=..., state=None)`; a family whose
-    blocks pass extra values between layers overrides `_run_layers` and `_run_layers_with_state`.
+    blocks pass extra values between layers overrides `_run_layers`, `_run_layers_with_state` and
+    `_decode_layers`.
+
+    Decoding one token at a time over static buffers (`new_decode_state`, `decode_weights`,
+    `decode_step`; flame.models.decoder captures it in a CUDA graph): blocks implement
+    `new_decode_state(batch, device, dtype)`, `decode_weights()` and `decode(x, pending, state,
+    weights)` (see `decode_step`).
     """
 
     def __init__(self, args):
@@ -106,13 +113,15 @@ class CausalLM(nn.Module):
         return linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, labels.flatten(),
                                     scale=loss_scale, l2wrap=self.l2wrap)
 
-    def _run_layers_with_state(self, x: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
+    def _run_layers_with_state(self, x: torch.Tensor, states: list[LayerState],
+                               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         for layer, state in zip(self.layers, states):
-            x = layer(x, state=state)
+            x = layer(x, cu_seqlens=cu_seqlens, state=state)
         return x
 
     def forward_with_state(self, input_ids: torch.Tensor, state: list[LayerState] | None = None,
-                           last_only: bool = False) -> tuple[torch.Tensor, list[LayerState]]:
+                           last_only: bool = False, cu_seqlens: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, list[LayerState]]:
         """`(logits [B, T, vocab], state)`: the B sequences of input_ids continued from `state`
         (one `LayerState` per layer, None for empty prefixes), and the state after them.
 
@@ -121,10 +130,22 @@ class CausalLM(nn.Module):
         calls gives the logits of one `forward` over it, up to rounding. The given state is left
         as it was. last_only: logits of the last position only ([B, 1, vocab]), which is all a
         prompt's prefill needs.
+
+        cu_seqlens: N prompts of any lengths packed into input_ids [1, T] (offsets [0, ..., T],
+        each prompt non-empty), prefilled from empty prefixes (state None) through the chunked
+        kernels in one call; the state holds one row per prompt ([N, ...]) and last_only gives
+        each prompt's last logits, [N, 1, vocab].
         """
         check_input_ids(input_ids)
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids must hold at least one token per sequence")
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1])
+            if state is not None:
+                raise ValueError("forward_with_state prefills packed prompts (cu_seqlens) from empty prefixes only; "
+                                 "got a state")
+            if bool((cu_seqlens[1:] == cu_seqlens[:-1]).any()):
+                raise ValueError("every packed prompt must hold at least one token (cu_seqlens repeats an offset)")
         if state is None:
             states = [LayerState() for _ in self.layers]
         elif len(state) != len(self.layers):
@@ -132,10 +153,53 @@ class CausalLM(nn.Module):
         else:
             states = [dataclasses.replace(s) for s in state]
         x, = to_compute_dtype(self.embeddings(input_ids))
-        x = self._run_layers_with_state(x, states)
+        x = self._run_layers_with_state(x, states, cu_seqlens)
         if last_only:
-            x = x[:, -1:]
+            x = x[:, -1:] if cu_seqlens is None else x[0, cu_seqlens[1:] - 1][:, None]
         return self.lm_head(self.norm(x)), states
+
+    # -- decoding over static buffers -----------------------------------------------------------
+
+    def new_decode_state(self, batch_size: int, device: torch.device | None = None,
+                         dtype: torch.dtype | None = None) -> list[LayerState]:
+        """Zeroed states of `batch_size` empty prefixes with every field allocated (the token-shift
+        rows in the compute dtype `dtype`, default the embeddings' dtype; the attention states in
+        fp32, fp64 for an fp64 model): the static buffers that `decode_step` updates in place."""
+        device = self.embeddings.weight.device if device is None else device
+        dtype = self.embeddings.weight.dtype if dtype is None else dtype
+        return [layer.new_decode_state(batch_size, device, dtype) for layer in self.layers]
+
+    @torch.no_grad()
+    def decode_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, the weights a decoding step reads stacked (projections that run as one
+        batched matmul): copies, refreshed by the caller when the parameters change
+        (flame.models.decoder)."""
+        return [layer.decode_weights() for layer in self.layers]
+
+    def _decode_layers(self, x: torch.Tensor, state: list[LayerState], weights: list[dict]
+                       ) -> tuple[torch.Tensor, dict]:
+        pending = {}
+        for layer, layer_state, layer_weights in zip(self.layers, state, weights):
+            x, pending = layer.decode(x, pending, layer_state, layer_weights)
+        return x, pending
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, state: list[LayerState], weights: list[dict]) -> torch.Tensor:
+        """Logits [B, vocab] of one token per sequence (`tokens` [B]) continuing `state` (from
+        `new_decode_state`, loaded with a prefill's state), which is updated in place; `weights`
+        from `decode_weights()`.
+
+        Equal to `forward_with_state(tokens[:, None], state)` up to rounding, with a block's work
+        fused into a few launches: per sub-layer one pass for the residual add, the norm and the
+        token-shift lerps (flame.ops.norm_mix), the projections as stacked matmuls, and one kernel
+        for the whole attention of the token (flame.ops.<family>.decode_step). A block's `decode`
+        leaves its last output unadded (`pending`: the `add` and `gate` arguments of the next
+        norm_mix), so each residual add joins the following norm. No host sync and no
+        data-dependent Python: a CUDA graph can capture the step.
+        """
+        x, = to_compute_dtype(self.embeddings(tokens))
+        x, pending = self._decode_layers(x, state, weights)
+        return self.lm_head(norm_mix(x, **norm_args(self.norm), **pending))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters; with exclude_embeddings, minus the input embedding
@@ -159,6 +223,12 @@ class CausalLM(nn.Module):
         if self.tie_word_embeddings:
             matmul_params += self.lm_head.weight.numel()
         return 6 * matmul_params + sum(layer.state_flops_per_token() for layer in self.layers)
+
+
+def norm_args(norm: nn.Module) -> dict:
+    """The `flame.ops.norm_mix` arguments (weight, bias, eps, norm kind) of a LayerNorm or RMSNorm."""
+    kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
+    return {"weight": norm.weight, "bias": getattr(norm, "bias", None), "eps": norm.eps, "norm": kind}
 
 
 def check_input_ids(input_ids: torch.Tensor) -> None:

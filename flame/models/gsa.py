@@ -19,10 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.models import init
-from flame.models.causal_lm import CausalLM
+from flame.models.causal_lm import CausalLM, norm_args
 from flame.models.precision import RMSNorm
 from flame.models.state import LayerState
 from flame import ops
+from flame.ops.gsa.decode_step import gsa_decode_step
+from flame.ops.norm_mix import norm_mix
 
 INIT_STD = 0.02
 
@@ -92,8 +94,19 @@ class GSAAttention(nn.Module):
         if state is None:
             o, _ = ops.chunk_gsa(q, k, v, s, g, scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend)
         else:
-            o = state.attend(ops.chunk_gsa, ops.fused_recurrent_gsa, q, k, v, s, g, scale=1.0, backend=self.backend)
+            o = state.attend(ops.chunk_gsa, ops.fused_recurrent_gsa, q, k, v, s, g, scale=1.0, backend=self.backend,
+                             cu_seqlens=cu_seqlens)
         return self.o_proj(self.g_norm(F.silu(o.reshape(B, T, HQ * d))))
+
+    def decode(self, h: torch.Tensor, state: LayerState, weights: dict) -> torch.Tensor:
+        """One token: the normed input h [B, C] -> the output projection's output [B, C]. q, k, v
+        and the forget gate's logits come from one matmul over the concatenated weights."""
+        H, HQ, d, M = self.num_kv_heads, self.num_heads, self.head_dim, self.num_slots
+        q, k, v, f = F.linear(h, weights["qkvf"]).split([HQ * d, H * d, H * d, H * M], dim=1)
+        hk, hv = state.recurrent
+        o = gsa_decode_step(q, k, v, f, normalizer=self.gate_logit_normalizer, state_k=hk, state_v=hv,
+                            backend=self.backend)
+        return self.o_proj(norm_mix(o, **norm_args(self.g_norm), silu=True, backend=self.backend))
 
     def state_flops_per_token(self) -> int:
         """Forward, per token: pass K updates H states [d, M] (decay + k s^T: 3 d M) and reads
@@ -148,6 +161,29 @@ class GSABlock(nn.Module):
 
     def state_flops_per_token(self) -> int:
         return self.attn.state_flops_per_token()
+
+    def new_decode_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> LayerState:
+        attn = self.attn
+        H, d, M = attn.num_kv_heads, attn.head_dim, attn.num_slots
+        acc = torch.promote_types(dtype, torch.float32)
+        return LayerState(recurrent=(torch.zeros(batch_size, H, d, M, device=device, dtype=acc),
+                                     torch.zeros(batch_size, H, M, d, device=device, dtype=acc)))
+
+    @torch.no_grad()
+    def decode_weights(self) -> dict[str, torch.Tensor]:
+        attn, mlp = self.attn, self.mlp
+        return {"qkvf": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.f_proj.weight]),
+                "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])}
+
+    def decode(self, x: torch.Tensor, pending: dict, state: LayerState, weights: dict):
+        """One token of the block over static buffers (CausalLM.decode_step): x [B, C] is the
+        residual stream, `pending` the previous block's unadded output; returns (x, this block's
+        unadded output)."""
+        backend = self.attn.backend
+        h = norm_mix(x, **norm_args(self.attn_norm), **pending, backend=backend)
+        h = norm_mix(x, **norm_args(self.mlp_norm), add=self.attn.decode(h, state, weights), backend=backend)
+        gate, up = F.linear(h, weights["gate_up"]).chunk(2, dim=1)
+        return x, {"add": self.mlp.down_proj(F.silu(gate) * up)}
 
 
 class GSAForCausalLM(CausalLM):

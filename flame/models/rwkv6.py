@@ -25,6 +25,8 @@ from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv
 from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
 from flame import ops
+from flame.ops.norm_mix import shift_lerp
+from flame.ops.rwkv6.decode_step import rwkv6_decode_step
 
 DECAY_LOW_RANK_DIM = 64
 """The official RWKV6 decay-LoRA rank, used when decay_low_rank_dim is 0."""
@@ -38,7 +40,13 @@ def rwkv6_ffn_width(hidden_size: int) -> int:
 
 class RWKV6Attention(nn.Module):
     """RWKV6 time mix. `time_decay` is the decay bias (the trainer gives it
-    `decay_lr_multiplier`); LoRA matrices are free parameters (never weight-decayed)."""
+    `decay_lr_multiplier`); LoRA matrices are free parameters (never weight-decayed).
+
+    Decoding one token (`decode`): the block's norm_mix gives the static lerp with mu_x and keeps
+    the normed token and its delta for the five data-dependent lerps; k, v, r and the gate's
+    projections run as one batched matmul."""
+
+    DECODE_KEEPS_DELTA = True
 
     def __init__(self, args, layer_id: int):
         super().__init__()
@@ -100,7 +108,7 @@ class RWKV6Attention(nn.Module):
                 state: LayerState | None = None) -> torch.Tensor:
         B, T, C = x.shape
         H, N = self.num_heads, self.head_dim
-        previous = None if state is None else state.previous_token(x, "attn_shift")
+        previous = None if state is None else state.previous_token(x, "attn_shift", cu_seqlens)
         (xx,) = ops.token_shift_mix(x, self.mu_x[None], cu_seqlens=cu_seqlens, previous=previous,
                                     backend=self.backend)
         xi = torch.tanh(xx @ self.mix_w1)
@@ -119,9 +127,32 @@ class RWKV6Attention(nn.Module):
             o, _ = ops.chunk_rwkv6(r, k, v, w, self.bonus, scale=1.0, cu_seqlens=cu_seqlens, backend=self.backend)
         else:
             o = state.attend(ops.chunk_rwkv6, ops.fused_recurrent_rwkv6, r, k, v, w, self.bonus, scale=1.0,
-                             backend=self.backend)
+                             backend=self.backend, cu_seqlens=cu_seqlens)
         o = self.ln_x(o.reshape(B * T, C)).view(B, T, C)
         return self.output(o * g)
+
+    @torch.no_grad()
+    def decode_weights(self) -> dict[str, torch.Tensor]:
+        return {
+            "attn_mu": self.mu_x[None].clone(),
+            "mix_mu": torch.stack([self.mu_w, self.mu_k, self.mu_v, self.mu_r, self.mu_g]),
+            "kvrg": torch.stack([self.key.weight, self.value.weight, self.receptance.weight, self.gate.weight]),
+        }
+
+    def decode(self, lerps: torch.Tensor, state: LayerState, weights: dict):
+        """One token: lerps [3, B, C] (the mu_x lerp, the normed token h, delta = previous - h) ->
+        (the output projection's output [B, C],)."""
+        xx, h, delta = lerps[0], lerps[1], lerps[2]
+        B, C = xx.shape
+        xi = torch.tanh(xx @ self.mix_w1).view(B, MIX_BRANCHES, self.mix_rank).transpose(0, 1)
+        m = torch.bmm(xi, self.mix_w2)  # [5, B, C]: w, k, v, r, g
+        xs = shift_lerp(h, delta, weights["mix_mu"], m, backend=self.backend)
+        kvrg = torch.bmm(xs[1:5], weights["kvrg"].transpose(1, 2))
+        w_lora = torch.tanh(xs[0] @ self.decay_w1) @ self.decay_w2
+        y = rwkv6_decode_step(kvrg[2], kvrg[0], kvrg[1], kvrg[3], w_lora, time_decay=self.time_decay, u=self.bonus,
+                              ln_weight=self.ln_x.weight, ln_bias=self.ln_x.bias, ln_eps=self.ln_x.eps,
+                              state=state.recurrent, backend=self.backend)
+        return (self.output(y),)
 
     def state_flops_per_token(self) -> int:
         """Per head and token, forward: decay K*V, k v^T 2KV, readout S^T r 2KV = 5 K V (the
@@ -158,11 +189,21 @@ class RWKV6FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 state: LayerState | None = None) -> torch.Tensor:
-        previous = None if state is None else state.previous_token(x, "ffn_shift")
+        previous = None if state is None else state.previous_token(x, "ffn_shift", cu_seqlens)
         xk, xr = ops.token_shift_mix(x, torch.stack([self.mu_k, self.mu_r]), cu_seqlens=cu_seqlens,
                                      previous=previous, backend=self.backend)
         k = ops.squared_relu(self.key(xk), backend=self.backend)
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
+
+    @torch.no_grad()
+    def decode_weights(self) -> dict[str, torch.Tensor]:
+        return {"ffn_mu": torch.stack([self.mu_k, self.mu_r])}
+
+    def decode(self, lerps: torch.Tensor, weights: dict) -> dict:
+        """One token: lerps [2, B, C] (k, r) -> value(k) gated by sigmoid(receptance(r)), left for
+        the next block's norm to add."""
+        k = ops.squared_relu(self.key(lerps[0]), backend=self.backend)
+        return {"add": self.value(k), "gate": self.receptance(lerps[1])}
 
 
 class RWKV6Block(RWKVBlock):

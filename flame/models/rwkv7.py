@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.models import init
-from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, vector_param
+from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv_heads, stack_padded, vector_param
 from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
 from flame import ops
+from flame.ops.rwkv7.decode_step import rwkv7_decode_step
 
 DECAY_BOUND = math.exp(-0.5)
 """|log-decay| <= e^{-1/2} = 0.6065306597126334: the official clamp of RWKV7's decay."""
@@ -36,7 +37,13 @@ DECAY_BOUND = math.exp(-0.5)
 
 class RWKV7Attention(nn.Module):
     """RWKV7 time mix. LoRA matrices are free parameters applied as x @ W (never weight-decayed);
-    `w0` is the decay bias (the trainer gives it `decay_lr_multiplier`)."""
+    `w0` is the decay bias (the trainer gives it `decay_lr_multiplier`).
+
+    Decoding one token (`decode`): the six lerps come out of the block's norm_mix in the order
+    r, k, v, a, w, g, so that r, k, v feed one batched matmul and v, a, w, g the LoRAs' first
+    matrices, stacked, with one more batched matmul for their second matrices."""
+
+    DECODE_KEEPS_DELTA = False
 
     def __init__(self, args, layer_id: int):
         super().__init__()
@@ -107,7 +114,7 @@ class RWKV7Attention(nn.Module):
                 state: LayerState | None = None):
         B, T, C = x.shape
         H, N = self.num_heads, self.head_dim
-        previous = None if state is None else state.previous_token(x, "attn_shift")
+        previous = None if state is None else state.previous_token(x, "attn_shift", cu_seqlens)
         mu = torch.stack([self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g])
         xr, xw, xk, xv, xa, xg = ops.token_shift_mix(x, mu, cu_seqlens=cu_seqlens, previous=previous,
                                                      backend=self.backend)
@@ -137,10 +144,44 @@ class RWKV7Attention(nn.Module):
             )
         else:
             o = state.attend(ops.chunk_rwkv7, ops.fused_recurrent_rwkv7, r, w, k, v, -kappa, kappa * a,
-                             scale=1.0, backend=self.backend, gate_lower_bound=-DECAY_BOUND)
+                             scale=1.0, backend=self.backend, gate_lower_bound=-DECAY_BOUND, cu_seqlens=cu_seqlens)
         o = self.ln_x(o.reshape(B * T, C)).view(B, T, H, N)
         o = o + (r * k * like(self.r_k, r)).sum(dim=-1, keepdim=True) * v
         return self.output(o.reshape(B, T, C) * g), v_first
+
+    @torch.no_grad()
+    def decode_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRAs stacked in the branch order v, a, w, g, so that the two nonlinear branches
+        share one tanh: sigmoid(z) = 1/2 + tanh(z/2) / 2, so the gate's LoRA runs as
+        tanh(x (g1/2)) (g2/2) plus the bias colsum(g2)/2 (`gate_bias`)."""
+        if self.defines_v_first:  # no value residual: a zero LoRA in the v slot
+            v1, v2 = self.w1.new_zeros(self.w1.shape[0], 1), self.w2.new_zeros(1, self.w2.shape[1])
+        else:
+            v1, v2 = self.v1, self.v2
+        return {
+            "attn_mu": torch.stack([self.mu_r, self.mu_k, self.mu_v, self.mu_a, self.mu_w, self.mu_g]),
+            "rkv": torch.stack([self.receptance.weight, self.key.weight, self.value.weight]),
+            "lora_in": stack_padded([v1, self.a1, self.w1, self.g1 / 2]),   # [4, C, rank]
+            "lora_out": stack_padded([v2, self.a2, self.w2, self.g2 / 2]),  # [4, rank, C]
+            "gate_bias": self.g2.float().sum(0) / 2,
+        }
+
+    def decode(self, lerps: torch.Tensor, state: LayerState, weights: dict, v_first: torch.Tensor):
+        """One token: lerps [6, B, C] (r, k, v, a, w, g) -> (the output projection's output [B, C],
+        v_first). Layer 0 writes v_first [B, C]; the others read it. Three batched matmuls: r, k, v;
+        the LoRAs' first matrices; their second matrices."""
+        rkv = torch.bmm(lerps[0:3], weights["rkv"].transpose(1, 2))
+        hidden = torch.bmm(lerps[2:6], weights["lora_in"])
+        hidden[2:4].tanh_()
+        lora = torch.bmm(hidden, weights["lora_out"])  # the v, a, w LoRA outputs and the gate without its bias
+        y = rwkv7_decode_step(
+            rkv[0], rkv[1], rkv[2], lora[2], lora[1], lora[0], lora[3], v_first,
+            w0=self.w0, a0=self.a0, v0=None if self.defines_v_first else self.v0, k_k=self.k_k, k_a=self.k_a,
+            r_k=self.r_k, ln_weight=self.ln_x.weight, ln_bias=self.ln_x.bias, ln_eps=self.ln_x.eps,
+            state=state.recurrent, decay_bound=DECAY_BOUND, is_first=self.defines_v_first,
+            gate_bias=weights["gate_bias"], backend=self.backend,
+        )
+        return self.output(y), v_first
 
     def state_flops_per_token(self) -> int:
         """Per head and token, forward: decay K*V, p = a^T S 2KV, b p^T 2KV, k v^T 2KV,
@@ -173,10 +214,17 @@ class RWKV7FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 state: LayerState | None = None) -> torch.Tensor:
-        previous = None if state is None else state.previous_token(x, "ffn_shift")
+        previous = None if state is None else state.previous_token(x, "ffn_shift", cu_seqlens)
         (xk,) = ops.token_shift_mix(x, self.mu_k[None], cu_seqlens=cu_seqlens, previous=previous,
                                     backend=self.backend)
         return self.value(ops.squared_relu(self.key(xk), backend=self.backend))
+
+    def decode_weights(self) -> dict[str, torch.Tensor]:
+        return {"ffn_mu": self.mu_k.detach()[None]}
+
+    def decode(self, lerps: torch.Tensor, weights: dict) -> dict:
+        """One token: lerps [1, B, C] -> the output, left for the next block's norm to add."""
+        return {"add": self.value(ops.squared_relu(self.key(lerps[0]), backend=self.backend))}
 
 
 class RWKV7Block(RWKVBlock):
@@ -207,8 +255,15 @@ class RWKV7ForCausalLM(RWKVCausalLM):
             x, v_first = layer(x, v_first, cu_seqlens=cu_seqlens)
         return x
 
-    def _run_layers_with_state(self, x: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
+    def _run_layers_with_state(self, x: torch.Tensor, states: list[LayerState],
+                               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         v_first = None
         for layer, state in zip(self.layers, states):
-            x, v_first = layer(x, v_first, state=state)
+            x, v_first = layer(x, v_first, cu_seqlens=cu_seqlens, state=state)
         return x
+
+    def _decode_layers(self, x: torch.Tensor, state: list[LayerState], weights: list[dict]):
+        pending, v_first = {}, torch.empty_like(x)
+        for layer, layer_state, layer_weights in zip(self.layers, state, weights):
+            x, pending, v_first = layer.decode(x, pending, layer_state, layer_weights, v_first)
+        return x, pending

@@ -1,6 +1,6 @@
 """Pieces shared by the two RWKV families: head geometry, free-parameter constructors, the pre-LN
-block around a family's time mix and channel mix, and the language-model shell with the official
-embedding/head initialisation."""
+block around a family's time mix and channel mix (and its one-token decoding path), and the
+language-model shell with the official embedding/head initialisation."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from flame.models import init
-from flame.models.causal_lm import CausalLM
+from flame.models.causal_lm import CausalLM, norm_args
 from flame.models.precision import LayerNorm
+from flame.models.state import LayerState
+from flame.ops.norm_mix import norm_mix
 
 
 def rwkv_heads(args) -> tuple[int, int]:
@@ -63,6 +65,42 @@ class RWKVBlock(nn.Module):
 
     def state_flops_per_token(self) -> int:
         return self.attn.state_flops_per_token()
+
+    def new_decode_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> LayerState:
+        C = self.attn_norm.weight.numel()
+        H, N = self.attn.num_heads, self.attn.head_dim
+        return LayerState(attn_shift=torch.zeros(batch_size, C, device=device, dtype=dtype),
+                          ffn_shift=torch.zeros(batch_size, C, device=device, dtype=dtype),
+                          recurrent=torch.zeros(batch_size, H, N, N, device=device,
+                                                dtype=torch.promote_types(dtype, torch.float32)))
+
+    def decode_weights(self) -> dict[str, torch.Tensor]:
+        return {**self.attn.decode_weights(), **self.ffn.decode_weights()}
+
+    def decode(self, x: torch.Tensor, pending: dict, state: LayerState, weights: dict, *carry):
+        """One token of the block over static buffers (CausalLM.decode_step): x [B, C] is the
+        residual stream, `pending` the previous block's unadded output; returns (x, this block's
+        unadded output, whatever the time mix passes on to the next layer, `carry`)."""
+        if self.is_first:
+            x = self.pre_norm(x)
+        lerps = norm_mix(x, **norm_args(self.attn_norm), **pending, previous=state.attn_shift,
+                         mu=weights["attn_mu"], keep_delta=self.attn.DECODE_KEEPS_DELTA, backend=self.attn.backend)
+        out, *carry = self.attn.decode(lerps, state, weights, *carry)
+        lerps = norm_mix(x, **norm_args(self.ffn_norm), add=out, previous=state.ffn_shift, mu=weights["ffn_mu"],
+                         backend=self.attn.backend)
+        return x, self.ffn.decode(lerps, weights), *carry
+
+
+def stack_padded(mats: list[torch.Tensor], rows: int | None = None, cols: int | None = None) -> torch.Tensor:
+    """Matrices of different shapes stacked into one [n, rows, cols] tensor (zero-padded at the end
+    of each dimension), so that their products run as one batched matmul: padded input columns
+    meet zero rows and add nothing."""
+    rows = max(m.shape[0] for m in mats) if rows is None else rows
+    cols = max(m.shape[1] for m in mats) if cols is None else cols
+    out = mats[0].new_zeros(len(mats), rows, cols)
+    for i, m in enumerate(mats):
+        out[i, :m.shape[0], :m.shape[1]] = m
+    return out
 
 
 class RWKVCausalLM(CausalLM):

@@ -9,6 +9,10 @@ zeros for the token shift and for the attention state.
 
 The layers replace the fields of the state they are given (never modify its tensors in place), so
 `forward_with_state` can hand each call copies and leave the caller's state valid.
+
+`CausalLM.decode_step` is the exception, by design: it runs one token over a state whose tensors
+are static buffers (`CausalLM.new_decode_state`, every field allocated) and updates them in place,
+so that a CUDA graph captured once replays the step on the same memory (flame.models.decoder).
 """
 
 from __future__ import annotations
@@ -29,34 +33,32 @@ class LayerState:
     recurrent: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
     """The attention's matrix state, fp32 (fp64 in an fp64 model)."""
 
-    def previous_token(self, x: torch.Tensor, field: str) -> torch.Tensor | None:
+    def previous_token(self, x: torch.Tensor, field: str, cu_seqlens: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
         """The stored last token [B, C] that precedes x [B, T, C] in the token shift (None: the
         empty prefix, zeros), for `field` "attn_shift" or "ffn_shift"; stores x's last token for the
-        next call."""
+        next call. With cu_seqlens (N sequences packed into B == 1, from empty prefixes) it stores
+        each sequence's last token, [N, C]."""
         last = getattr(self, field)
-        setattr(self, field, x[:, -1])
+        setattr(self, field, x[:, -1] if cu_seqlens is None else x[0, cu_seqlens[1:] - 1])
         return last
 
     def attend(self, chunk_op, step_op, *args, **kwargs) -> torch.Tensor:
         """Run a linear-attention op from the stored state and store its final state: the chunked
-        op for T > 1 (a prompt), the fused recurrent op for one token. Returns the output."""
-        op = step_op if args[0].shape[1] == 1 else chunk_op
+        op for T > 1 (a prompt) and for packed sequences (cu_seqlens), the fused recurrent op for
+        one token. Returns the output."""
+        op = step_op if args[0].shape[1] == 1 and kwargs.get("cu_seqlens") is None else chunk_op
         o, self.recurrent = op(*args, initial_state=self.recurrent, output_final_state=True, **kwargs)
         return o
 
+    def copy_(self, other: "LayerState") -> None:
+        """Copy `other`'s tensors into this state's buffers (every field of both set, same shapes)."""
+        for field in ("attn_shift", "ffn_shift"):
+            if getattr(self, field) is not None:
+                getattr(self, field).copy_(getattr(other, field))
+        if isinstance(self.recurrent, tuple):
+            for mine, theirs in zip(self.recurrent, other.recurrent):
+                mine.copy_(theirs)
+        else:
+            self.recurrent.copy_(other.recurrent)
 
-
-def concat_states(states: list[list[LayerState]]) -> list[LayerState]:
-    """Model states of several batches (each one `LayerState` per layer, every field set) joined
-    along the batch dimension, in order: e.g. prompts of different lengths prefilled one by one,
-    then decoded together."""
-
-    def cat(parts):
-        if isinstance(parts[0], tuple):
-            return tuple(torch.cat(p, dim=0) for p in zip(*parts))
-        return torch.cat(parts, dim=0)
-
-    fields = [f.name for f in dataclasses.fields(LayerState)]
-    return [LayerState(**{name: None if getattr(layer[0], name) is None else cat([getattr(s, name) for s in layer])
-                          for name in fields})
-            for layer in zip(*states)]

@@ -1,8 +1,11 @@
 """flame.eval: the metric formulas, the windowed cross-entropy and byte count against a hand
-computation on a small .jsonl / .txt file, and one-line command-line errors."""
+computation on a small .jsonl / .txt file (one window at a time through the logits, as eval ran
+before it batched the windows through the fused loss), the progress line, and one-line
+command-line errors."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -69,6 +72,29 @@ def test_evaluate_matches_a_hand_computation(tmp_path):
     m = evaluate(model, tokenizer, str(text), seq_len=16)
     assert m["bytes"] == len(DOCS[1].encode("utf-8"))
     assert m["tokens"] == len(tokenizer.encode(DOCS[1])) + 1
+
+
+@pytest.mark.parametrize("family", ["rwkv6", "gsa"])
+@torch.no_grad()
+def test_batched_windows_equal_one_window_at_a_time(tmp_path, family):
+    tokenizer = load_tokenizer("")
+    model = trained_like(family, vocab_size=tokenizer.vocab_size)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 3), encoding="utf-8")
+    progress = io.StringIO()
+    batched = evaluate(model, tokenizer, str(data), seq_len=9, batch_size=4, progress_out=progress)
+    single = evaluate(model, tokenizer, str(data), seq_len=9, batch_size=1)
+    assert batched["tokens"] == single["tokens"] and batched["tokens"] % 9
+    assert batched["loss"] == pytest.approx(single["loss"], rel=1e-6)
+    stream = [tokenizer.eod_id]
+    for d in DOCS * 3:
+        stream += tokenizer.encode(d) + [tokenizer.eod_id]
+    n = batched["tokens"]
+    assert batched["loss"] * n == pytest.approx(hand_cross_entropy(model, stream, n, 9), rel=1e-5)
+    assert batched["tokens_per_second"] > 0
+    batches = -(-(n // 9) // 4) + 1  # full windows four at a time, then the short last window
+    line = progress.getvalue().split("\r")[-1]
+    assert line.startswith(f"flame.eval: batch {batches}/{batches} | {n}/{n} tokens |") and line.endswith("tokens/s\n")
 
 
 @pytest.mark.parametrize("argv, message", [

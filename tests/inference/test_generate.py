@@ -1,6 +1,7 @@
 """flame.generate: greedy decoding equals an argmax loop over full recomputes, seeded sampling is
-reproducible, top-k / top-p keep the right tokens, streamed text is whole characters, and the
-command line reports bad input in one line."""
+reproducible, top-k / top-p keep the right tokens, the repetition penalty follows its formula,
+stop tokens end each row on its own, tokens stream in chunks, streamed text is whole characters,
+and the command line reports bad input in one line."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_greedy_generate_equals_an_argmax_loop_over_full_recompute(family):
     new = generate(model, prompt, max_new_tokens=12, temperature=0, stream=streamed.append)
     assert new.shape == (2, 12)
     assert torch.equal(new, argmax_by_recompute(model, prompt, 12)[:, 11:])
-    assert torch.equal(torch.stack(streamed, dim=1), new)
+    assert torch.equal(torch.cat(streamed, dim=1), new)
 
 
 @torch.no_grad()
@@ -74,6 +75,53 @@ def test_top_k_and_top_p_keep_exactly_the_most_likely_tokens():
     assert support(top_k=3, top_p=0.6) == {1, 3}
     assert support() == {0, 1, 2, 3}
     assert torch.equal(sample_next(logits, 0.0, 0.5, 2, None), torch.tensor([1]))
+
+
+def test_repetition_penalty_follows_its_formula():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.9]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert int(sample_next(logits, 0.0, 1.0, 0, None)) == 0
+    assert int(sample_next(logits, 0.0, 1.0, 0, None, seen, 2.0)) == 3  # 2.0 -> 1.0, below 1.9
+    assert int(sample_next(-logits, 0.0, 1.0, 0, None, seen, 2.0)) == 1  # 1.0 -> 0.5 still leads; -2.0 -> -4.0
+
+    model = trained_like("rwkv7")
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(9))
+    got = generate(model, prompt, max_new_tokens=20, temperature=0, repetition_penalty=1.3)
+    with torch.no_grad():  # the reference: the CTRL penalty over prompt and continuation, on the host
+        logits, state = model.forward_with_state(prompt, last_only=True)
+        rows, want = [set(p.tolist()) for p in prompt], []
+        for _ in range(20):
+            scores = logits[:, -1].clone()
+            for r, seen_r in enumerate(rows):
+                for t in seen_r:
+                    scores[r, t] = scores[r, t] / 1.3 if scores[r, t] > 0 else scores[r, t] * 1.3
+            token = scores.argmax(-1)
+            want.append(token)
+            for r in range(2):
+                rows[r].add(int(token[r]))
+            logits, state = model.forward_with_state(token[:, None], state)
+    assert torch.equal(got, torch.stack(want, dim=1))
+    assert not torch.equal(got, generate(model, prompt, max_new_tokens=20, temperature=0))
+
+
+def test_stop_tokens_end_each_row_on_its_own_and_tokens_stream_in_chunks():
+    model = trained_like("gsa")
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 9, 2)]
+    greedy = generate(model, prompts, max_new_tokens=24, temperature=0)
+    stops = [int(greedy[0, 3]), int(greedy[1, 10]), int(greedy[2, 6])]
+    chunks = []
+    ended = generate(model, prompts, max_new_tokens=24, temperature=0, eos_token_id=stops, stream=chunks.append,
+                     stream_every=2)
+    first = [next(i for i, t in enumerate(row.tolist()) if t in stops) for row in greedy]
+    assert ended.shape[1] == max(first) + 1 < 24 and len(set(first)) > 1
+    for row, stop in enumerate(first):
+        assert torch.equal(ended[row, :stop + 1], greedy[row, :stop + 1])
+        assert (ended[row, stop:] == greedy[row, stop]).all()  # a stopped row repeats its stop token
+    assert torch.equal(torch.cat(chunks, dim=1), ended) and all(c.shape[1] <= 2 for c in chunks)
+    chunks.clear()
+    assert torch.equal(generate(model, prompts, max_new_tokens=7, temperature=0, stream=chunks.append,
+                                stream_every=3), greedy[:, :7])
+    assert [c.shape[1] for c in chunks] == [3, 3, 1]
 
 
 def test_generation_stops_when_every_sequence_has_ended():

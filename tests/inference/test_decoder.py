@@ -1,0 +1,254 @@
+"""The decoding step over static buffers (CausalLM.decode_step, flame.models.decoder): its greedy
+tokens equal the eager recurrent step's (forward_with_state per token) and a full forward's argmax
+over 256 tokens in fp32 on CPU, for every family; packed prefill of prompts of different lengths;
+the fused decode kernels (Triton, under the interpreter on CPU) against their PyTorch forms; the
+decoder's cache and weight refresh; on CUDA, the captured graph against the eager step in bf16."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flame.generate import generate
+from flame.models.decoder import Decoder, decoder_for, prefill, release_decoders
+from flame.ops.backend import triton_interpreter_enabled
+from flame.ops.gsa.decode_step import gsa_decode_step
+from flame.ops.norm_mix import norm_mix, shift_lerp
+from flame.ops.rwkv6.decode_step import rwkv6_decode_step
+from flame.ops.rwkv7.decode_step import rwkv7_decode_step
+from tests.models.helpers import FAMILIES
+from tests.models.test_decoding import trained_like
+
+NEW_TOKENS = 256
+
+
+def eager_recurrent_greedy(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy tokens from forward_with_state, one call per token (the fused recurrent ops)."""
+    logits, state = model.forward_with_state(prompt, last_only=True)
+    tokens = []
+    for _ in range(steps):
+        tokens.append(logits[:, -1].argmax(-1))
+        logits, state = model.forward_with_state(tokens[-1][:, None], state)
+    return torch.stack(tokens, dim=1)
+
+
+def assert_steps_follow(model, decoder: Decoder, ids: torch.Tensor, prefill_len: int, tol: float) -> None:
+    """From the state of model's prefill of ids[:, :prefill_len], the decoder's step gives the
+    logits of model's eager recurrent step for each following token of ids."""
+    logits, state = model.forward_with_state(ids[:, :prefill_len])
+    decoder.load(state)
+    for t in range(prefill_len, ids.shape[1]):
+        logits, state = model.forward_with_state(ids[:, t:t + 1], state)
+        decoder.tokens.copy_(ids[:, t])
+        torch.testing.assert_close(decoder.step(), logits[:, 0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_static_step_greedy_equals_the_eager_step_and_the_full_forward_over_256_tokens(family):
+    model = trained_like(family).eval()
+    prompt = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    static = generate(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0)
+    assert static.shape == (2, NEW_TOKENS)
+    assert not decoder_for(model, 2).graphed  # CPU: the same buffers, run eagerly
+    assert torch.equal(static, eager_recurrent_greedy(model, prompt, NEW_TOKENS))
+    full = torch.cat([prompt, static], dim=1)
+    assert torch.equal(model(full)[:, prompt.shape[1] - 1:-1].argmax(-1), static)
+    assert len(set(static[0].tolist())) > 3  # a random model's greedy text loops, but not from the start
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_decode_step_logits_equal_forward_with_state(family):
+    model = trained_like(family).eval()
+    ids = torch.randint(0, 256, (3, 14), generator=torch.Generator().manual_seed(4))
+    assert_steps_follow(model, Decoder(model, 3), ids, 9, tol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_packed_prefill_of_prompts_of_different_lengths_equals_separate_prefills(family):
+    model = trained_like(family).eval()
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=generator) for n in (9, 1, 23, 4)]
+    logits, state = prefill(model, prompts)
+    assert logits.shape == (4, 256)
+    for row, ids in enumerate(prompts):
+        alone_logits, alone_state = model.forward_with_state(ids[None], last_only=True)
+        torch.testing.assert_close(logits[row], alone_logits[0, -1], rtol=1e-5, atol=1e-5)
+        for packed, alone in zip(state, alone_state):
+            for field in ("attn_shift", "ffn_shift"):
+                if getattr(alone, field) is not None:
+                    torch.testing.assert_close(getattr(packed, field)[row], getattr(alone, field)[0])
+            for p, a in zip(*(s if isinstance(s, tuple) else (s,) for s in (packed.recurrent, alone.recurrent))):
+                torch.testing.assert_close(p[row], a[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.forward_with_state(torch.zeros(1, 3, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 3]))
+    with pytest.raises(ValueError, match="empty prefixes"):
+        model.forward_with_state(torch.zeros(1, 3, dtype=torch.long), state, cu_seqlens=torch.tensor([0, 3]))
+
+
+@torch.no_grad()
+def test_decoder_cache_and_weight_refresh():
+    model = trained_like("rwkv7").eval()
+    first = decoder_for(model, 2)
+    assert decoder_for(model, 2) is first and decoder_for(model, 3) is not first
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(7))
+    before = generate(model, ids, max_new_tokens=6, temperature=0)
+    model.layers[1].attn.receptance.weight.mul_(-1)  # an in-place change the stacked copy must see
+    after = generate(model, ids, max_new_tokens=6, temperature=0)
+    assert torch.equal(after, eager_recurrent_greedy(model, ids, 6)) and not torch.equal(after, before)
+    release_decoders(model)
+    assert decoder_for(model, 2) is not first
+
+
+@pytest.mark.skipif(not triton_interpreter_enabled(), reason="Triton kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernels_equal_their_pytorch_forms(dtype):
+    """norm_mix, shift_lerp and the three decode_step ops: Triton (interpreter) against PyTorch, outputs and
+    in-place updates, with strided inputs (views of stacked matmul outputs)."""
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    B, H, N = 3, 4, 16
+    C = H * N
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+    def both(fn, *buffers):
+        """fn(backend, *clones of buffers) on both backends -> two lists (outputs, buffers)."""
+        results = []
+        for backend in ("torch", "triton"):
+            copies = [b.clone() for b in buffers]
+            out = fn(backend, *copies)
+            results.append([*(out if isinstance(out, (tuple, list)) else [out]), *copies])
+        for want, got in zip(*results):
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+
+    x, prev = rand(B, C).to(dtype), rand(B, C).to(dtype)
+    add, gate = rand(B, 2 * C).to(dtype)[:, :C], rand(B, C).to(dtype)
+    mu, w, b = torch.rand(5, C, generator=gen), rand(C), rand(C)
+    both(lambda be, x, p: norm_mix(x, w, b, 1e-5, add=add, gate=gate, previous=p, mu=mu, keep_delta=True,
+                                   backend=be), x, prev)
+    both(lambda be, x: norm_mix(x, w, None, 1e-6, norm="rms", add=add, backend=be), x)
+    both(lambda be, x: norm_mix(x, w, None, 1e-6, norm="rms", silu=True, backend=be), x)
+
+    proj = rand(7, B, 2 * C).to(dtype)[..., :C]  # strided rows
+    params = dict(w0=rand(C), a0=rand(C), v0=rand(C), k_k=rand(C), k_a=rand(C), r_k=rand(H, N), ln_weight=rand(C),
+                  ln_bias=rand(C), ln_eps=16e-5, decay_bound=0.6065306597126334)
+    for first, gate_bias in ((True, None), (False, rand(C))):
+        both(lambda be, v_first, s: rwkv7_decode_step(*proj, v_first, state=s, is_first=first, gate_bias=gate_bias,
+                                                      backend=be, **params),
+             rand(B, C).to(dtype), rand(B, H, N, N))
+    m = rand(5, B, C).to(dtype)
+    both(lambda be: shift_lerp(add, gate, mu, m, backend=be))
+    time_decay = rand(C) - 2
+    both(lambda be, s: rwkv6_decode_step(*proj[:5], time_decay=time_decay, u=params["r_k"],
+                                         ln_weight=params["ln_weight"], ln_bias=params["ln_bias"], ln_eps=64e-5,
+                                         state=s, backend=be), rand(B, H, N, N))
+    for HQ, HK, K, M in ((2, 2, 32, 8), (4, 2, 16, 20)):
+        width = HQ * K + 2 * HK * K + HK * M
+        q, k, v, f = rand(B, width + 8).to(dtype)[:, :width].split(
+            [HQ * K, HK * K, HK * K, HK * M], dim=1)
+        f = f * 4  # forget gates from near 0 to near 1
+        both(lambda be, sk, sv: gsa_decode_step(q, k, v, f, normalizer=8.0, state_k=sk, state_v=sv, backend=be),
+             rand(B, HK, K, M), rand(B, HK, M, K))
+
+
+@pytest.mark.skipif(not triton_interpreter_enabled(), reason="Triton kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_decode_step_on_the_triton_kernels_under_the_interpreter(family):
+    """The model's decode step on the Triton kernels against its PyTorch twin's eager recurrent
+    step (the same weights), from the twin's prefilled state."""
+    model, twin = trained_like(family).eval(), trained_like(family, backend="triton").eval()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(8))
+    assert_steps_follow(model, Decoder(twin, 2), ids, 5, tol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile the kernels for real")
+def test_decode_kernels_compile_for_sm90():
+    """The interpreter runs kernels as Python; the GPU compiler may reject what it accepts
+    (tests/inference/sm90_decode.py compiles each specialization the 340M models launch)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.inference.sm90_decode"], cwd=Path(__file__).resolve().parents[2],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"decode kernels that do not compile for sm_90:\n{run.stdout}\n{run.stderr[-3000:]}"
+
+
+def gpu_model(family: str):
+    """A 340M-size model (the shipped config's shape) with random weights in bf16 on CUDA: the
+    official init, every parameter then perturbed so that the zero-initialised projections count."""
+    from flame.config import load_config
+    from tests.models.helpers import build_on_meta
+
+    args = load_config(["--config", str(Path(__file__).resolve().parents[2] / "configs" / f"{family}_340M.toml")]).model
+    model = build_on_meta(args, seed=0, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen, device="cuda"))
+    return model.to(torch.bfloat16).eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_cuda_graph_step_equals_the_eager_step_in_bf16(family):
+    """32 greedy tokens: the captured graph and the same step run eagerly give the same tokens and
+    logits; the eager recurrent step (forward_with_state) agrees up to bf16 near-ties."""
+    model = gpu_model(family)
+    prompt = torch.randint(0, model.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    graphed = generate(model, prompt, max_new_tokens=32, temperature=0, graph=True)
+    assert decoder_for(model, 4, graph=True).graphed, "the CUDA graph capture failed (see the warning)"
+    eager = generate(model, prompt, max_new_tokens=32, temperature=0, graph=False)
+    assert torch.equal(graphed, eager)
+
+    logits, state = model.forward_with_state(prompt, last_only=True)
+    decoder = decoder_for(model, 4, graph=True)
+    decoder.load(state)
+    for t in range(32):  # teacher-forced on the graphed tokens
+        token = graphed[:, t]
+        if t:
+            decoder.tokens.copy_(graphed[:, t - 1])
+            step_logits = decoder.step().float()
+            logits, state = model.forward_with_state(graphed[:, t - 1:t], state)
+            ref = logits[:, -1].float()
+            err = ((step_logits - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+            assert err < 2e-2, f"{family} token {t}: relative RMS error {err:.2e} against forward_with_state"
+        else:
+            ref = logits[:, -1].float()
+        gap = ref.max(-1).values - ref.gather(1, token[:, None])[:, 0]
+        assert (gap <= 0.05 * ref.std(-1)).all(), f"{family} token {t}: not the eager step's argmax"
+    release_decoders(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_decoding_tokens_never_waits_for_the_device(family):
+    """The per-token work of generate (graph replay, sampling with every option, repetition
+    bookkeeping) runs under torch's sync debug mode "error": no host sync."""
+    from flame.generate import sample_next
+
+    model = trained_like(family, device="cuda", backend="triton").to(torch.bfloat16)
+    prompt = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    logits, state = prefill(model, prompt)
+    decoder = decoder_for(model, 2)
+    assert decoder.graphed
+    decoder.load(state)
+    seen = torch.zeros(2, 256, dtype=torch.bool, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            token = sample_next(logits, 0.8, 0.9, 20, generator, seen, 1.2)
+            seen.scatter_(1, token[:, None], True)
+            decoder.tokens.copy_(token)
+            logits = decoder.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    release_decoders(model)

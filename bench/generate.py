@@ -1,8 +1,8 @@
 """Generation throughput of the shipped 340M configs on one GPU: flame, fla 0.6 and the official
 `rwkv` package, on the same random weights.
 
-    python bench/generate.py --out generate.json          # rwkv7, rwkv6, gsa; flame, hf, fla, rwkv
-    python bench/generate.py --families rwkv7,rwkv6,gsa --libs flame --out generate.json
+    python -m bench.generate --out generate.json          # rwkv7, rwkv6, gsa; flame, hf, fla, rwkv
+    python -m bench.generate --families rwkv7,rwkv6,gsa --libs flame --out generate.json
 
 What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 32000), per family of
 --families (`configs/<family>_340M.toml`):
@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 FAMILIES = ("rwkv7", "rwkv6", "gsa")
 LIBS = ("flame", "hf", "fla", "rwkv")
@@ -80,10 +79,10 @@ def build_flame(family: str, device, tiny: bool = False):
 
 
 def build_fla(family: str, device, tiny: bool = False):
-    """fla's model of the family, shaped like flame's config (the mapping of bench/train_step.py)."""
+    """fla's model of the family, shaped like flame's config (bench.fla_models)."""
     import torch
 
-    from bench.train_step import fla_model_factory
+    from bench.fla_models import fla_model_factory
 
     torch.manual_seed(0)
     model = fla_model_factory(family)(model_args(family, tiny)).inner
@@ -387,10 +386,11 @@ def bench_rwkv(family: str, args, device) -> list[dict]:
         env["RWKV_V7_ON"] = "1"
     with tempfile.TemporaryDirectory() as folder:
         out_path = str(Path(folder) / "rows.json")
-        command = [sys.executable, str(Path(__file__).resolve()), "--rwkv-worker", family, "--worker-out", out_path,
+        command = [sys.executable, "-m", "bench.generate", "--rwkv-worker", family, "--worker-out", out_path,
                    *args.argv]
         try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S,
+                                  cwd=REPO)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the rwkv package worker ran past {WORKER_TIMEOUT_S} s") from None
         if done.returncode != 0 or not Path(out_path).is_file():
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         rwkv_worker(args.rwkv_worker, args, args.worker_out)
         return 0
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/generate.py needs a CUDA GPU (--device cpu --tiny runs a smoke check)", file=sys.stderr)
+        print("bench.generate needs a CUDA GPU (--device cpu --tiny runs a smoke check)", file=sys.stderr)
         return 1
     if args.new_tokens < 2 or args.rwkv_new_tokens < 2:
         print("--new-tokens and --rwkv-new-tokens must be >= 2 (the decoding rate is measured beyond the first "

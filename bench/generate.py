@@ -310,7 +310,7 @@ def rwkv_worker(family: str, args, out_path: str) -> None:
     load it with the rwkv package, time its prefill and its decoding; write the rows as JSON."""
     import torch
 
-    from flame.export.rwkv import to_rwkv
+    from flame.weights.rwkv_names import to_rwkv
 
     device = torch.device(args.device)
     model = build_flame(family, device, args.tiny)

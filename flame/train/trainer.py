@@ -257,23 +257,35 @@ class Trainer(Stateful):
                     cfg.training.gradient_accumulation_steps, self.parallel.dp_world_size,
                     cfg.training.seq_len)
         with self.running():
-            pending: LaunchedStep | None = None
-            while self.state.step + (pending is not None) < last_step:
-                micro_batches = self.next_micro_batches()
-                gradients = self.pipeline.gradients(micro_batches)
-                if pending is not None:
-                    result = self.read_step(pending)  # waits for step N's two numbers only
-                    self.finish_step(result, pending.end)
-                    if result.reloaded:  # the gradients just queued are of the weights before it
-                        gradients = self.pipeline.gradients(micro_batches)
-                step = self.pipeline.launch(gradients)
-                step.end = self.plan_step_end(self.state.step + 1, last_step)
-                pending = step if step.update_queued and not step.end.pause else None
-                if pending is None:
-                    self.finish_step(self.read_step(step), step.end)
+            for _ in self.run_steps(last_step):
+                pass
         logger.info("training: done at step %d, %d tokens, %d skipped step(s)",
                     self.state.step, self.state.tokens, self.state.nan_skips)
         return self.state
+
+    def run_steps(self, last_step: int):
+        """The loop to `last_step`: yields each step's result once the step is read, logged,
+        validated and saved. Step N+1's forward and backward are queued before step N is read."""
+        pending: LaunchedStep | None = None
+        while self.state.step + (pending is not None) < last_step:
+            micro_batches = self.next_micro_batches()
+            gradients = self.pipeline.gradients(micro_batches)
+            if pending is not None:
+                result = self.end_step(pending)  # waits for step N's two numbers only
+                yield result
+                if result.reloaded:  # the gradients just queued are of the weights before it
+                    gradients = self.pipeline.gradients(micro_batches)
+            step = self.pipeline.launch(gradients)
+            step.end = self.plan_step_end(self.state.step + 1, last_step)
+            pending = step if step.update_queued and not step.end.pause else None
+            if pending is None:
+                yield self.end_step(step)
+
+    def end_step(self, step: LaunchedStep) -> StepResult:
+        """Read a launched step and finish it as its `StepEnd` says."""
+        result = self.read_step(step)
+        self.finish_step(result, step.end)
+        return result
 
     @contextmanager
     def running(self):
@@ -338,7 +350,7 @@ class Trainer(Stateful):
         if end.validate:
             self.log_validation()
         if end.save:
-            self.checkpointer.save(step, self.checkpoint_state(), required=end.stop or step == total)
+            self.save_checkpoint(required=end.stop or step == total)
         if end.stop and step < total:
             self.checkpointer.wait()
             saved = self.checkpointer.step_dir(step) if self.cfg.checkpoint.enable else None
@@ -480,6 +492,11 @@ class Trainer(Stateful):
         torch.set_rng_state(rank_state["rng"])
         if rank_state["cuda_rng"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(rank_state["cuda_rng"], self.device)
+
+    def save_checkpoint(self, required: bool = False) -> None:
+        """Save the run at this step; `required`: a failure stops the run whatever
+        checkpoint.on_save_error says."""
+        self.checkpointer.save(self.state.step, self.checkpoint_state(), required=required)
 
     def checkpoint_state(self, model_only: bool = False) -> dict[str, Any]:
         """The objects a checkpoint holds; DCP reads or fills them in place."""

@@ -151,7 +151,7 @@ def bench_flame(family: str, args, device) -> list[dict]:
     import torch
 
     from flame.generate import generate
-    from flame.inference import value_checks_off
+    from flame.ops.checks import value_checks_off
     from flame.models.decoder import decoder_for, prefill, release_decoders
 
     model = build_flame(family, device, args.tiny)

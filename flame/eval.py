@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command, value_checks_off
+from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command
+from flame.ops.checks import value_checks_off
 
 
 def lm_metrics(total_nats: float, num_tokens: int, num_bytes: int) -> dict[str, float]:

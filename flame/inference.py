@@ -4,7 +4,6 @@ device, switching the ops' value checks off, and turning any failure into one li
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,20 +50,6 @@ def load_for_inference(model_dir: str, device: torch.device, dtype: torch.dtype)
     tokenizer = load_tokenizer(str(tokenizer_path or ""))
     tokenizer.check_vocab_size(model.vocab_size)
     return model.to(device=device, dtype=dtype).eval(), tokenizer
-
-
-@contextmanager
-def value_checks_off():
-    """The ops' value checks cost a device sync per op call, which would stall every decoding step;
-    inference runs a trained model whose decays are valid by construction."""
-    from flame.ops.checks import set_value_checks, value_checks_enabled
-
-    previous = value_checks_enabled()
-    set_value_checks(False)
-    try:
-        yield
-    finally:
-        set_value_checks(previous)
 
 
 def run_command(name: str, main, argv: list[str] | None) -> int:

@@ -14,6 +14,7 @@ cannot be seen from shapes alone.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -36,6 +37,19 @@ def set_value_checks(enabled: bool) -> None:
 
 def value_checks_enabled() -> bool:
     return _value_checks
+
+
+@contextmanager
+def value_checks_off():
+    """The value checks switched off inside: each costs a device sync (a stall per step, and no
+    CUDA graph capture) and raises on a NaN decay. Training switches them off because its step
+    checks its own loss and gradients; inference because a trained model's decays are valid."""
+    previous = value_checks_enabled()
+    set_value_checks(False)
+    try:
+        yield
+    finally:
+        set_value_checks(previous)
 
 
 def _shape(x: torch.Tensor) -> str:

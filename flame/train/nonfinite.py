@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from flame.train.step_pipeline import LaunchedStep, StepResult, op_value_checks_off
+from flame.ops.checks import value_checks_off
+from flame.train.step_pipeline import LaunchedStep, StepResult
 
 logger = logging.getLogger("flame.train")
 
@@ -127,7 +128,7 @@ class NonFiniteGuard:
         the first rank that found one."""
         found = None
         for batch in micro_batches:
-            with op_value_checks_off():
+            with value_checks_off():
                 found = first_nonfinite_module(self.model, lambda: self.forward(batch))
             if found is not None:
                 break

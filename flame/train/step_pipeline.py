@@ -20,12 +20,11 @@ depends on whether step N was skipped.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from flame.ops.checks import set_value_checks, value_checks_enabled
+from flame.ops.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.gradients import GradNorms, clip_grad_norm
 from flame.train.loss import count_valid_tokens
@@ -74,18 +73,6 @@ class LaunchedStep:
     after reading the numbers."""
     end: object | None = None
     """What happens once the step is done (the trainer's `StepEnd`), decided while it runs."""
-
-
-@contextmanager
-def op_value_checks_off():
-    """Switch off the ops' value checks (a device sync each, and an exception on a NaN decay)
-    while training: the step's own finite check handles non-finite values."""
-    previous = value_checks_enabled()
-    set_value_checks(False)
-    try:
-        yield
-    finally:
-        set_value_checks(previous)
 
 
 class StepPipeline:
@@ -155,7 +142,7 @@ class StepPipeline:
         scale = 1.0 / max(valid_tokens, 1)
         if self.accumulator is None:
             self.zero_grad()
-        with op_value_checks_off(), self.compute_weights.active():  # refreshed once for the step
+        with value_checks_off(), self.compute_weights.active():  # refreshed once for the step
             for index, batch in enumerate(micro_batches):
                 loss = self.loss(batch, scale)
                 if self.accumulator is None:

@@ -34,6 +34,7 @@ from flame.config import to_toml
 from flame.data import build_dataloader, load_tokenizer
 from flame.models import build_model
 from flame.train import fault_injection
+from flame.ops.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState,
                                     load_exported_weights)
@@ -50,7 +51,7 @@ from flame.train.parallel import (ParallelState, autocast, broadcast_replicas, c
 from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.profiling import StepProfiler
 from flame.train.run_lock import RunLock, lock_dump_folder
-from flame.train.step_pipeline import LaunchedStep, StepPipeline, StepResult, op_value_checks_off
+from flame.train.step_pipeline import LaunchedStep, StepPipeline, StepResult
 from flame.weights import CONFIG_FILE, is_foreign_weights
 
 logger = logging.getLogger("flame.train")
@@ -418,7 +419,7 @@ class Trainer(Stateful):
             except StopIteration:  # a small split: go round again, every rank the same count
                 batches = iter(self.val_loader)
                 batch = next(batches)
-            with op_value_checks_off():
+            with value_checks_off():
                 totals[0] += self.pipeline.loss(batch, 1.0).double()
             totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
         self.model.train()

@@ -179,9 +179,9 @@ def test_decode_kernels_compile_for_sm90():
     assert run.returncode == 0, f"decode kernels that do not compile for sm_90:\n{run.stdout}\n{run.stderr[-3000:]}"
 
 
-def gpu_model(family: str):
-    """A 340M-size model (the shipped config's shape) with random weights in bf16 on CUDA: the
-    official init, every parameter then perturbed so that the zero-initialised projections count."""
+def gpu_model(family: str, dtype: torch.dtype = torch.bfloat16):
+    """A 340M-size model (the shipped config's shape) with random weights on CUDA: the official
+    init, every parameter then perturbed so that the zero-initialised projections count."""
     from flame.config import load_config
     from tests.models.helpers import build_on_meta
 
@@ -191,15 +191,22 @@ def gpu_model(family: str):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=gen, device="cuda"))
-    return model.to(torch.bfloat16).eval()
+    return model.to(dtype).eval()
+
+
+def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_cuda_graph_step_equals_the_eager_step_in_bf16(family):
-    """32 greedy tokens: the captured graph and the same step run eagerly give the same tokens and
-    logits; the eager recurrent step (forward_with_state) agrees up to bf16 near-ties."""
+    """32 greedy tokens: the captured graph and the same step run eagerly give the same tokens; the
+    step is as close to the fp32 model as bf16 forward_with_state is (its logits' relative RMS error
+    against fp32, teacher-forced on the graphed tokens, at most 1.5x forward_with_state's, which
+    is about 1e-2 per 6 layers), and each graphed token is the eager recurrent step's argmax up to
+    bf16 near-ties."""
     model = gpu_model(family)
     prompt = torch.randint(0, model.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
     graphed = generate(model, prompt, max_new_tokens=32, temperature=0, graph=True)
@@ -207,22 +214,24 @@ def test_cuda_graph_step_equals_the_eager_step_in_bf16(family):
     eager = generate(model, prompt, max_new_tokens=32, temperature=0, graph=False)
     assert torch.equal(graphed, eager)
 
+    reference = gpu_model(family, torch.float32)
     logits, state = model.forward_with_state(prompt, last_only=True)
+    ref_logits, ref_state = reference.forward_with_state(prompt, last_only=True)
     decoder = decoder_for(model, 4, graph=True)
     decoder.load(state)
     for t in range(32):  # teacher-forced on the graphed tokens
-        token = graphed[:, t]
         if t:
             decoder.tokens.copy_(graphed[:, t - 1])
             step_logits = decoder.step().float()
             logits, state = model.forward_with_state(graphed[:, t - 1:t], state)
-            ref = logits[:, -1].float()
-            err = ((step_logits - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-            assert err < 2e-2, f"{family} token {t}: relative RMS error {err:.2e} against forward_with_state"
-        else:
-            ref = logits[:, -1].float()
-        gap = ref.max(-1).values - ref.gather(1, token[:, None])[:, 0]
-        assert (gap <= 0.05 * ref.std(-1)).all(), f"{family} token {t}: not the eager step's argmax"
+            ref_logits, ref_state = reference.forward_with_state(graphed[:, t - 1:t], ref_state)
+            ref = ref_logits[:, -1].float()
+            step_err, bf16_err = relative_rms(step_logits, ref), relative_rms(logits[:, -1], ref)
+            assert step_err <= 1.5 * bf16_err + 1e-3, (
+                f"{family} token {t}: the step's error against fp32 {step_err:.2e}, forward_with_state's {bf16_err:.2e}")
+        eager_step = logits[:, -1].float()  # bf16 forward_with_state: the eager recurrent step
+        gap = eager_step.max(-1).values - eager_step.gather(1, graphed[:, t, None])[:, 0]
+        assert (gap <= 0.05 * eager_step.std(-1)).all(), f"{family} token {t}: not the eager step's argmax"
     release_decoders(model)
 
 

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger("flame.train")
 
 
@@ -69,6 +71,55 @@ def progress_line(record: dict) -> str:
         parts.append(f"nan-skips {record['nan_skips']}")
     parts.append(f"eta {format_duration(record.get('eta_s', float('nan')))}")
     return " | ".join(parts)
+
+
+class StepLog:
+    """The training records of metrics.jsonl: every metrics.log_freq steps (and at the last and a
+    skipped step) the step's numbers and the throughput of the window of steps since the last
+    record, its valid tokens over the device time of its steps (so the steps' times add up to the
+    run's time on the device)."""
+
+    def __init__(self, metrics: MetricsLogger, cfg, world_size: int, device, flops_per_token: int):
+        self.metrics = metrics
+        self.log_freq = max(1, cfg.metrics.log_freq)
+        self.total_steps = cfg.training.steps
+        self.world_size = world_size
+        self.device = device
+        self.flops_per_token = int(flops_per_token)
+        self.peak_flops = 0.0  # of one device; unknown on CPUs
+        if device.type == "cuda":
+            from torchtitan.tools.utils import get_peak_flops
+
+            self.peak_flops = get_peak_flops(torch.cuda.get_device_name(device))
+        self.restart()
+
+    def restart(self) -> None:
+        self.tokens, self.seconds, self.steps = 0, 0.0, 0
+
+    def add(self, step: int, result, state) -> None:
+        """Step `step`, whose read result this is, with the run's counters `state` after it."""
+        self.tokens += result.valid_tokens
+        self.seconds += result.seconds
+        self.steps += 1
+        if step % self.log_freq and step != self.total_steps and not result.skipped:
+            return
+        tokens_per_s = self.tokens / max(self.seconds, 1e-9)
+        per_device = tokens_per_s / self.world_size
+        step_time = self.seconds / max(self.steps, 1)
+        self.restart()
+        record = {
+            "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "tokens": state.tokens, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
+            "step_time_s": step_time, "eta_s": step_time * (self.total_steps - step),
+            "nan_skips": state.nan_skips,
+        }
+        if self.peak_flops > 0:
+            record["mfu"] = self.flops_per_token * per_device / self.peak_flops
+        if result.skipped:
+            record["skipped"] = True
+        if self.device.type == "cuda":
+            record["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.metrics.log(record)
 
 
 class MetricsLogger:

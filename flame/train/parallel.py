@@ -43,6 +43,17 @@ logger = logging.getLogger("flame.train")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def resolve_device(name: str) -> torch.device:
+    """training.device: "auto" (CUDA if available), "cuda" or "cpu"."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"training.device must be 'auto', 'cuda' or 'cpu', got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("training.device = 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
 @dataclass
 class ParallelState:
     """Where this process sits: device, global rank and data-parallel rank."""

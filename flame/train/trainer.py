@@ -41,13 +41,13 @@ from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelSta
 from flame.train.fault_injection import fault_point
 from flame.train.loss import IGNORE_INDEX
 from flame.train.lr_schedule import build_lr_scheduler
-from flame.train.metrics import MetricsLogger, setup_logging
+from flame.train.metrics import MetricsLogger, StepLog, setup_logging
 from flame.train.mixed_precision import ComputeWeights
 from flame.train.nonfinite import NonFiniteGuard, NonFiniteTrainingError, Outcome
 from flame.train.optimizer import build_optimizer
 from flame.train.parallel import (ParallelState, autocast, broadcast_replicas, collective_failure,
                                   compute_weights_dtype, cuda_graphs_enabled, parallelize, reduce_dtype,
-                                  setup_parallel)
+                                  resolve_device, setup_parallel)
 from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.profiling import StepProfiler
 from flame.train.run_lock import RunLock, lock_dump_folder
@@ -89,16 +89,6 @@ class StepEnd:
         """The loop reads this step's numbers before it queues the next step's update: the
         validation, the checkpoint and the stop must see exactly this step's weights."""
         return self.validate or self.save or self.stop or self.last
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"training.device must be 'auto', 'cuda' or 'cpu', got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("training.device = 'cuda' but no CUDA device is available")
-    return torch.device(name)
 
 
 class Trainer(Stateful):
@@ -176,8 +166,8 @@ class Trainer(Stateful):
             config_dict=asdict(cfg), wandb_run_id=self.state.wandb_run_id or None,
         )
         self.state.wandb_run_id = self.broadcast_object(self.metrics.wandb_run_id or "")
-        self.flops_per_token, self.peak_flops = self.flops_budget()
-        self.log_window = (0, 0.0, 0)  # valid tokens, device seconds, steps since the last log
+        self.step_log = StepLog(self.metrics, cfg, self.parallel.world_size, self.device,
+                                self.model.num_flops_per_token(training.seq_len))
 
     # ---- building ------------------------------------------------------------------------
 
@@ -230,16 +220,6 @@ class Trainer(Stateful):
         logger.info("model: %s, %.2fM parameters, ready in %.1fs", self.cfg.model.family,
                     num_params / 1e6, time.monotonic() - start)
         return model
-
-    def flops_budget(self) -> tuple[int, float]:
-        """(training FLOPs per token, peak FLOP/s of one device; 0 when unknown, e.g. on CPU)."""
-        flops = int(self.model.num_flops_per_token(self.cfg.training.seq_len))
-        peak = 0.0
-        if self.device.type == "cuda":
-            from torchtitan.tools.utils import get_peak_flops
-
-            peak = get_peak_flops(torch.cuda.get_device_name(self.device))
-        return flops, peak
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -296,7 +276,7 @@ class Trainer(Stateful):
         fault_injection.arm(self)
         self.stop_signals.install()
         self.pipeline.restart_clock()
-        self.log_window = (0, 0.0, 0)
+        self.step_log.restart()
         try:
             yield
             self.checkpointer.wait()
@@ -341,7 +321,7 @@ class Trainer(Stateful):
         """Log step `self.state.step`, whose result this is, then validate, save and stop as `end`
         (decided while the step ran; now when None) says."""
         step, total = self.state.step, self.cfg.training.steps
-        self.log_step(result)
+        self.step_log.add(step, result, self.state)
         self.boundary.step_done(step)
         self.profiler.step_done(step)
         if result.reloaded:  # the state is the reloaded checkpoint's: nothing more of this step
@@ -432,33 +412,6 @@ class Trainer(Stateful):
         logger.info("step %6d | validation loss %.4f (%.1fs)", self.state.step, val_loss,
                     time.monotonic() - start)
         self.metrics.log({"step": self.state.step, "val_loss": val_loss}, console=False)
-
-    def log_step(self, result: StepResult) -> None:
-        """Add the step to the log window; every metrics.log_freq steps (and at the last and a
-        skipped step) log the window's throughput: its tokens over the device time of its steps."""
-        tokens, seconds, steps = self.log_window
-        tokens, seconds, steps = tokens + result.valid_tokens, seconds + result.seconds, steps + 1
-        step = self.state.step
-        if step % max(1, self.cfg.metrics.log_freq) and step != self.cfg.training.steps and not result.skipped:
-            self.log_window = (tokens, seconds, steps)
-            return
-        self.log_window = (0, 0.0, 0)
-        tokens_per_s = tokens / max(seconds, 1e-9)
-        per_device = tokens_per_s / self.parallel.world_size
-        step_time = seconds / max(steps, 1)
-        record: dict[str, Any] = {
-            "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-            "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": per_device, "step_time_s": step_time,
-            "eta_s": step_time * (self.cfg.training.steps - step), "nan_skips": self.state.nan_skips,
-        }
-        if self.peak_flops > 0:
-            record["mfu"] = self.flops_per_token * per_device / self.peak_flops
-        if result.skipped:
-            record["skipped"] = True
-        if self.device.type == "cuda":
-            record["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        self.metrics.log(record)
 
     def broadcast_object(self, value):
         """Rank 0's value of a small picklable object, on every rank."""

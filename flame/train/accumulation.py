@@ -90,8 +90,6 @@ class GradientAccumulator:
         if self.group is None or not last:
             grads = torch.autograd.grad(loss, self.targets, allow_unused=True)
             add_gradients(self.buffers, list(grads), first)
-            if last:
-                self.next_launch = 0
             return
         # hooks registered now run after any the model or a test registered on the same tensors
         self.first, self.next_launch = first, 0
@@ -117,8 +115,7 @@ class GradientAccumulator:
 
     def _complete(self, position: int) -> None:
         """Put bucket `position`'s gradients into its buffers (one that did not arrive is zero on
-        the first micro-batch and unchanged after) and, in the last micro-batch, start the
-        reductions that are due."""
+        the first micro-batch and unchanged after), then start the reductions that are due."""
         bucket = self.buckets[position]
         grads = [bucket.grads.get(index) for index in bucket.indices]
         add_gradients([self.buffers[index] for index in bucket.indices], grads, self.first)
@@ -131,8 +128,6 @@ class GradientAccumulator:
             self.next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self.group is None:
-            return
         bucket.reduced = bucket.flat if self.reduce_dtype == torch.float32 else bucket.flat.to(self.reduce_dtype)
         bucket.work = dist.all_reduce(bucket.reduced, group=self.group, async_op=True)
 

@@ -262,14 +262,6 @@ def bench_hf(family: str, args, device) -> list[dict]:
 
 # ---- fla ----------------------------------------------------------------------------------------
 
-def fla_available() -> bool:
-    try:
-        import fla  # noqa: F401
-    except Exception:  # an fla built for another torch fails with more than ImportError
-        return False
-    return True
-
-
 def bench_fla(family: str, args, device) -> list[dict]:
     import torch
 
@@ -488,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown --libs {unknown}: expected some of {', '.join(LIBS)}", file=sys.stderr)
         return 1
+    from bench.timing import fla_available, versions
+
     results: list[dict] = []
     for lib, available, hint in (("hf", transformers_available, "pip install transformers"),
                                  ("fla", fla_available, "pip install flash-linear-attention==0.6.0"),
@@ -497,8 +491,6 @@ def main(argv: list[str] | None = None) -> int:
             print(note, flush=True)
             results.append({"family": "-", "lib": lib, "kind": "note", "note": note})
             libs.remove(lib)
-    from bench.timing import versions
-
     print(f"# {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {versions()}", flush=True)
     benches = {"flame": bench_flame, "hf": bench_hf, "fla": bench_fla, "rwkv": bench_rwkv}
     started = time.perf_counter()

@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from bench.metrics import MetricsError, read_metrics
+from bench.timing import versions
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ("single", "replicate", "fsdp", "hsdp", "nodes", "nodes_fsdp", "preempt")
@@ -251,7 +252,7 @@ def run_preempt(args, config: str, out: Path, reference: dict) -> dict:
     losses = {r["step"]: r["loss"] for r in read_metrics(dump / "metrics.jsonl")}
     compared = list(range(step + 1, args.steps + 1))
     diffs = [abs(losses[s] - reference["losses"][s]) for s in compared]
-    return {"gpus": args.nproc, "stopped_at_step": step, "exit_codes": codes,
+    return {"gpus": args.nproc, "signalled_after_step": half, "stopped_at_step": step, "exit_codes": codes,
             "rank_stop_lines": len(stopped), "compared_steps": len(compared),
             "max_abs_loss_diff": max(diffs), "passed": max(diffs) == 0.0}
 
@@ -297,8 +298,8 @@ def table(results: dict) -> str:
     for name, runs in results.items():
         p = runs.get("preempt")
         if p and "error" not in p:
-            lines.append(f"\n{name} preempt on {p['gpus']} GPUs: SIGUSR1 after step {p.get('stopped_at_step')}"
-                         f" -> checkpoint at step {p['stopped_at_step']}, exit codes {p['exit_codes']}; resumed "
+            lines.append(f"\n{name} preempt on {p['gpus']} GPUs: SIGUSR1 once step {p['signalled_after_step']} was "
+                         f"logged -> checkpoint at step {p['stopped_at_step']}, exit codes {p['exit_codes']}; resumed "
                          f"losses of steps {p['stopped_at_step'] + 1}..: max |diff| {p['max_abs_loss_diff']:.3g} "
                          f"against the uninterrupted replicate run ({'bitwise' if p['passed'] else 'NOT equal'})")
         elif p:
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     out_root.mkdir(parents=True, exist_ok=True)
     summary_path = out_root / "summary.json"
     results = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     failed = False
     for config in args.configs.split(","):
         name = Path(config).stem
@@ -371,14 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[run] = {"error": str(err)}
                 failed = True
             runs[run]["wall_s"] = round(time.monotonic() - started, 1)
-            rep, single = runs.get("replicate", {}), runs.get("single", {})
-            if run == "replicate" and rep.get("all_reduce_bytes") and rep.get("comm_ms") and "compute_ms" in single:
-                p = args.nproc
-                busbw = rep["all_reduce_bytes"] * 2 * (p - 1) / p / (rep["comm_ms"] / 1e3) / 1e9
-                ga = int(next((v for k, v in zip(args.overrides, args.overrides[1:])
-                               if k == "--training.gradient_accumulation_steps"), 0)) or config_ga(config)
-                runs["model"] = [cluster_model(single["compute_ms"], rep["all_reduce_bytes"], bw, n, 2 / 3, ga)
-                                 for n, bw in ((p, busbw), (8, busbw), (64, args.internode_busbw))]
+            if run == "replicate":
+                runs["model"] = model_clusters(args, config, runs)
             summary_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     report = table(results)
     header = (f"bench/scale.py on {device_name(args.device)}, {datetime.date.today()}, "
@@ -388,11 +383,25 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def config_ga(config: str) -> int:
-    import tomllib
+def model_clusters(args, config: str, runs: dict) -> list[dict]:
+    """`cluster_model` on P, 8 and 64 GPUs from the traced replicate and single runs (none without
+    their traces): the bus bandwidth measured on P GPUs within a node, --internode-busbw between."""
+    from flame.config import load_config
 
-    with open(config, "rb") as f:
-        return int(tomllib.load(f).get("training", {}).get("gradient_accumulation_steps", 1))
+    rep, single = runs.get("replicate", {}), runs.get("single", {})
+    if not (rep.get("all_reduce_bytes") and rep.get("comm_ms") and "compute_ms" in single):
+        return []
+    p = args.nproc
+    busbw = rep["all_reduce_bytes"] * 2 * (p - 1) / p / (rep["comm_ms"] / 1e3) / 1e9
+    ga = load_config(["--config", config, *args.overrides]).training.gradient_accumulation_steps
+    return [cluster_model(single["compute_ms"], rep["all_reduce_bytes"], bw, n, 2 / 3, ga)
+            for n, bw in ((p, busbw), (8, busbw), (64, args.internode_busbw))]
+
+
+def stop_on_sigterm(signum, frame):
+    """`timeout` and schedulers stop a job with SIGTERM: leave through `launch`'s cleanup, which
+    kills the running ranks (they live in sessions of their own)."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def device_name(device: str) -> str:
@@ -402,13 +411,6 @@ def device_name(device: str) -> str:
                             "torch.cuda.get_device_name(0))"], capture_output=True, text=True)
     count, _, name = probe.stdout.strip().partition(" ")
     return f"{count}x {name}" if probe.returncode == 0 else "unknown GPU"
-
-
-def versions() -> str:
-    probe = subprocess.run([sys.executable, "-c", "import torch, triton; print(torch.__version__, triton.__version__)"],
-                           capture_output=True, text=True)
-    parts = probe.stdout.split()
-    return f"torch {parts[0]}, triton {parts[1]}" if len(parts) == 2 else "unknown versions"
 
 
 if __name__ == "__main__":

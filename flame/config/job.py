@@ -279,11 +279,19 @@ class Parallel:
     data_parallel_replicate_degree: int = field(default=1, metadata={"ge": 1})
     """Replicas of the FSDP shard group (HSDP), across nodes; equal to the number of ranks, or
     with data_parallel_shard_degree = 1, the model is replicated without FSDP."""
+    fsdp_hold_weights: bool = True
+    """Under FSDP, gather each block's bf16 weights once per step and keep them on every rank (2
+    bytes per parameter, in buffers that every step reuses, so the compiled blocks replay as CUDA
+    graphs), with the step's gradients unsharded in the reduce dtype until its last micro-batch
+    reduce-scatters them: one gather and one reduction per block and step. false: FSDP frees a
+    block's weights after use (parallel.reshard_after_forward) and reduce-scatters after every
+    micro-batch, without CUDA graphs: the least memory, for models whose gathered weights do not
+    fit."""
     reshard_after_forward: str = field(default="default", metadata=one_of("default", "always", "never"))
-    """Under FSDP, whether a block frees its gathered weights after its forward and gathers them
-    again for the backward: "default" (every block but the last, whose weights the backward needs
-    at once), "always", or "never" (one gather per block and micro-batch, the gathered bf16
-    weights of every block held from the forward to the backward: 2 bytes per parameter)."""
+    """Under FSDP with parallel.fsdp_hold_weights = false, whether a block frees its gathered
+    weights after its forward and gathers them again for the backward: "default" (every block but
+    the last, whose weights the backward needs at once), "always", or "never" (one gather per block
+    and micro-batch, the gathered weights of every block held from the forward to the backward)."""
     init_timeout_minutes: float = field(default=20.0, metadata={"gt": 0})
     """Collective timeout from the process-group start to the end of the first step (setup, data,
     checkpoint load, compile)."""

@@ -270,6 +270,11 @@ def cross_field_problems(cfg: JobConfig) -> list[str]:
                 f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
                 f"({m.num_kv_heads}) for grouped queries"
             )
+    if cfg.parallel.fsdp_hold_weights and cfg.parallel.reshard_after_forward != "default":
+        problems.append(
+            f"parallel.reshard_after_forward = {cfg.parallel.reshard_after_forward!r} applies only "
+            f"with parallel.fsdp_hold_weights = false (held weights stay gathered over the step)"
+        )
     if cfg.lr_scheduler.lr_min > cfg.optimizer.lr:
         problems.append(
             f"lr_scheduler.lr_min ({cfg.lr_scheduler.lr_min}) must be <= optimizer.lr "

@@ -16,9 +16,8 @@ plan, FSDP2, AC, compile.
   data_parallel_replicate_degree gives HSDP; a shard degree of 1 replicates.
 - `parallelize` applies, in this order, activation checkpointing (torchtitan's FullAC /
   SelectiveAC, or flame's "elementwise" policy), per-block torch.compile, and under FSDP
-  `fully_shard` per block and at the root with the MixedPrecisionPolicy of the config and FSDP's
-  own gradient averaging turned off: the loss is already normalised by the global valid-token
-  count, so gradients are summed, not averaged.
+  `fully_shard` per block and at the root (`flame.train.fsdp`: the mixed precision of the config,
+  gradients summed, the weights held gathered or freed after use).
 - Collectives time out: parallel.init_timeout_minutes until the first step is done, then
   parallel.collective_timeout_minutes (`ParallelState.set_collective_timeout`), so that a rank
   that died or hangs stops the others; `collective_failure` names the step in their error (gloo
@@ -37,6 +36,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from flame.train.fsdp import apply_fsdp
 
 logger = logging.getLogger("flame.train")
 
@@ -359,11 +360,13 @@ def recompute_elementwise(block: nn.Module) -> nn.Module:
 
 def cuda_graphs_enabled(cfg, state: ParallelState) -> bool:
     """Whether the compiled blocks replay as CUDA graphs: training.cuda_graphs with training.compile
-    on a CUDA device, unless FSDP shards the model (its gathered weights move between calls) or the
-    batches are varlen (their offsets change the chunk counts, and the ops read them on the host)."""
+    on a CUDA device, unless FSDP frees its gathered weights (they move between calls:
+    flame.train.fsdp) or the batches are varlen (their offsets change the chunk counts, and the ops
+    read them on the host)."""
     if not (cfg.training.compile and cfg.training.cuda_graphs and state.device.type == "cuda"):
         return False
-    for reason, applies in (("FSDP (a shard degree of two or more)", state.fsdp),
+    for reason, applies in (("FSDP with parallel.fsdp_hold_weights = false",
+                             state.fsdp and not cfg.parallel.fsdp_hold_weights),
                             ("training.varlen", cfg.training.varlen)):
         if applies:
             logger.info("compile: training.cuda_graphs is off under %s", reason)
@@ -380,35 +383,20 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> None:
                 ", replayed as CUDA graphs" if cuda_graphs else "")
 
 
-def apply_fsdp(model: nn.Module, state: ParallelState, param_dtype: str, reduce_dtype: str,
-               reshard_after_forward: str = "default") -> None:
-    """fully_shard each block and the root over the data-parallel mesh; gradients are summed.
-    `reshard_after_forward`: parallel.reshard_after_forward."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+def fsdp_mesh(state: ParallelState):
+    """The mesh FSDP shards over: ("dp_replicate", "fsdp") under HSDP, else ("fsdp",)."""
     dims = state.parallel_dims
-    names = ("dp_replicate", "fsdp") if dims.dp_replicate > 1 else ("fsdp",)
-    mesh = dims.get_optional_mesh(list(names)) if len(names) > 1 else dims.get_optional_mesh("fsdp")
-    if state.device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
-    else:  # CPU (gloo, CI): full fp32, the exact reference
-        mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    blocks = list(model.layers)
-    for index, block in enumerate(blocks):
-        # the last block's parameters are needed again at once by the backward: keep them gathered
-        reshard = {"always": True, "never": False}.get(reshard_after_forward, index < len(blocks) - 1)
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    # the step objective is already divided by the global token count: sum, do not average
-    # (plain SUM collectives: no PREMUL_SUM, which gloo lacks, and no post-division)
-    from torch.distributed.fsdp import FSDPModule
+    if dims.dp_replicate > 1:
+        return dims.get_optional_mesh(["dp_replicate", "fsdp"])
+    return dims.get_optional_mesh("fsdp")
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-    logger.info("fsdp: %s mesh %s, params %s, reduce %s", "HSDP" if len(names) > 1 else "FSDP",
-                dict(zip(names, mesh.shape)), mp.param_dtype, mp.reduce_dtype)
+
+def fsdp_dtypes(cfg, state: ParallelState) -> tuple[torch.dtype, torch.dtype]:
+    """FSDP's (param, reduce) dtypes: the config's on CUDA, fp32 on CPUs (gloo, CI: the exact
+    reference)."""
+    if state.device.type != "cuda":
+        return torch.float32, torch.float32
+    return DTYPES[cfg.training.mixed_precision_param], DTYPES[cfg.training.mixed_precision_reduce]
 
 
 def parallelize(model: nn.Module, cfg, state: ParallelState, cuda_graphs: bool = False) -> nn.Module:
@@ -418,8 +406,14 @@ def parallelize(model: nn.Module, cfg, state: ParallelState, cuda_graphs: bool =
     if cfg.training.compile:
         apply_compile(model, cuda_graphs)
     if state.fsdp:
-        apply_fsdp(model, state, cfg.training.mixed_precision_param,
-                   cfg.training.mixed_precision_reduce, cfg.parallel.reshard_after_forward)
+        param_dtype, grad_dtype = fsdp_dtypes(cfg, state)
+        mesh = fsdp_mesh(state)
+        apply_fsdp(model, mesh, param_dtype, grad_dtype, hold_weights=cfg.parallel.fsdp_hold_weights,
+                   reshard_after_forward=cfg.parallel.reshard_after_forward)
+        logger.info("fsdp: %s mesh %s, params %s, reduce %s, %s", "HSDP" if mesh.ndim > 1 else "FSDP",
+                    dict(zip(mesh.mesh_dim_names, mesh.shape)), param_dtype, grad_dtype,
+                    "weights held gathered, gradients reduced once per step" if cfg.parallel.fsdp_hold_weights
+                    else f"weights freed after use (reshard_after_forward {cfg.parallel.reshard_after_forward})")
     return model
 
 

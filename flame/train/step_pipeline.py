@@ -4,7 +4,8 @@ back (`resolve`).
 A step's objective is the token-mean cross-entropy over every valid token of the step, on all
 ranks (`flame.train.loss`): each micro-batch's CE sum is divided by the step's global valid-token
 count, known before the first forward, and the micro-batches' gradients are summed
-(`flame.train.accumulation` where FSDP does not shard the model, FSDP's own hooks where it does).
+(`flame.train.accumulation` where FSDP does not shard the model, FSDP's own hooks where it does,
+scheduled over the micro-batches by `flame.train.fsdp.MicroBatchSchedule`).
 `launch` then queues the gradient norm and clipping, the global loss and, with fused AdamW, the
 update behind a device-side finite check: fused AdamW skips an update whose `found_inf` flag is
 set, so a non-finite step changes nothing on any rank (the loss and the norm are global, so every
@@ -26,6 +27,7 @@ import torch
 
 from flame.ops.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
+from flame.train.fsdp import MicroBatchSchedule
 from flame.train.gradients import GradNorms, clip_grad_norm
 from flame.train.loss import count_valid_tokens
 from flame.train.readback import DeviceClock, DeviceScalars
@@ -79,18 +81,20 @@ class StepPipeline:
     """Queues optimizer steps of `model` and reads them back.
 
     `accumulator`: the step's gradient buffers where FSDP does not shard the model (None under
-    FSDP); `compute_weights`: the matrices' compute copies (`flame.train.mixed_precision`);
+    FSDP); `fsdp_schedule`: when FSDP reduces and frees over the micro-batches (under FSDP);
+    `compute_weights`: the matrices' compute copies (`flame.train.mixed_precision`);
     `autocast()`: the model calls' mixed-precision context; `cuda_graphs`: the compiled blocks
     replay as CUDA graphs."""
 
     def __init__(self, model, optimizer, lr_scheduler, parallel, *, accumulator: GradientAccumulator | None,
-                 compute_weights, autocast, cuda_graphs: bool, max_norm: float, fused_update: bool):
+                 fsdp_schedule: MicroBatchSchedule | None, compute_weights, autocast, cuda_graphs: bool, max_norm: float, fused_update: bool):
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.parallel = parallel
         self.device = parallel.device
         self.accumulator = accumulator
+        self.fsdp_schedule = fsdp_schedule
         self.compute_weights = compute_weights
         self.autocast = autocast
         self.cuda_graphs = cuda_graphs
@@ -144,6 +148,8 @@ class StepPipeline:
             self.zero_grad()
         with value_checks_off(), self.compute_weights.active():  # refreshed once for the step
             for index, batch in enumerate(micro_batches):
+                if self.fsdp_schedule is not None:
+                    self.fsdp_schedule.begin(index, len(micro_batches))
                 loss = self.loss(batch, scale)
                 if self.accumulator is None:
                     loss.backward()  # FSDP's hooks reduce-scatter and accumulate the shards

@@ -39,6 +39,7 @@ from flame.train.accumulation import GradientAccumulator
 from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState,
                                     load_exported_weights)
 from flame.train.fault_injection import fault_point
+from flame.train.fsdp import MicroBatchSchedule
 from flame.train.loss import IGNORE_INDEX
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.metrics import MetricsLogger, StepLog, setup_logging
@@ -46,7 +47,8 @@ from flame.train.mixed_precision import ComputeWeights
 from flame.train.nonfinite import NonFiniteGuard, NonFiniteTrainingError, Outcome
 from flame.train.optimizer import build_optimizer
 from flame.train.parallel import (ParallelState, autocast, broadcast_replicas, collective_failure,
-                                  compute_weights_dtype, cuda_graphs_enabled, parallelize, reduce_dtype,
+                                  compute_weights_dtype, cuda_graphs_enabled, fsdp_dtypes, parallelize,
+                                  reduce_dtype,
                                   resolve_device, setup_parallel)
 from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.profiling import StepProfiler
@@ -142,12 +144,14 @@ class Trainer(Stateful):
         accumulator = None if self.parallel.fsdp else GradientAccumulator(
             params, compute_weights.grad_targets(params), self.parallel.replica_group,
             reduce_dtype(cfg, self.parallel))
+        fsdp_schedule = MicroBatchSchedule(self.model, cfg.parallel.fsdp_hold_weights, self.cuda_graphs,
+                                           *fsdp_dtypes(cfg, self.parallel)) if self.parallel.fsdp else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, training.steps,
                                                cfg.optimizer.lr)
         self.pipeline = StepPipeline(
             self.model, self.optimizer, self.lr_scheduler, self.parallel, accumulator=accumulator,
-            compute_weights=compute_weights, autocast=autocast(cfg, self.parallel),
+            fsdp_schedule=fsdp_schedule, compute_weights=compute_weights, autocast=autocast(cfg, self.parallel),
             cuda_graphs=self.cuda_graphs, max_norm=training.max_norm,
             fused_update=cfg.optimizer.implementation == "fused")
         self.guard = NonFiniteGuard(training, self.model, self.parallel, self.pipeline.forward,

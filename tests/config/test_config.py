@@ -312,6 +312,8 @@ def test_constraints(write, override, expected):
         ("[metrics]\nval_freq = 10\n[data]\nval_fraction = 0", "data.val_fraction = 0 disables"),
         ("[training]\nnan_recovery = true\n[checkpoint]\nenable = false",
          "training.nan_recovery needs checkpoint.enable = true"),
+        ("[parallel]\nreshard_after_forward = 'always'",
+         "parallel.reshard_after_forward = 'always' applies only with parallel.fsdp_hold_weights = false"),
     ],
 )
 def test_cross_field_checks(write, toml, expected):
@@ -325,6 +327,8 @@ def test_cross_field_checks_accept_valid_combinations(write):
     assert rwkv.model.num_heads == 5  # num_heads does not apply to rwkv
     local = load(write("[data]\ndataset = 'json'\ndata_files = ['a.jsonl']\n"))
     assert local.data.data_files == ["a.jsonl"]
+    freed = load(write("[parallel]\nfsdp_hold_weights = false\nreshard_after_forward = 'never'\n"))
+    assert freed.parallel.reshard_after_forward == "never"
 
 
 def test_every_problem_is_reported_at_once(write):

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from flame.train import accumulation
 from flame.train.checkpoint import CheckpointError
+from flame.train.fsdp import fsdp_modules
 from flame.train.trainer import Trainer
 from tests.train.helpers import params, random_batches, split_rows, tiny_config
 
@@ -62,6 +63,16 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def gathered_weight_addresses(model) -> list[int]:
+    """Where each FSDP parameter's gathered weight lives between steps (0: freed)."""
+    out = []
+    for module in fsdp_modules(model):
+        for param in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
+            storage = param._unsharded_param.untyped_storage()
+            out.append(storage.data_ptr() if storage.size() else 0)
+    return out
+
+
 # ---- loss normalisation across ranks: 2 processes x GA 2 == 1 process x GA 4 -------------------
 
 def global_batches():
@@ -83,22 +94,31 @@ def ga_config(dump, ga):
 
 
 def two_rank_ga_run(rank: int, dump: str) -> None:
-    # FSDP (2 shards), then replicas (the default on CPUs: the one-rank step and an all-reduce of
-    # the gradients in buckets, here two), same data
+    # FSDP (2 shards) with its weights held gathered over the step and with them freed after use,
+    # then replicas (the default on CPUs: the one-rank step and an all-reduce of the gradients in
+    # buckets, here two), same data
     accumulation.BUCKET_ELEMENTS = 8_000  # several buckets: reductions start during the backward
-    for name, shard in (("fsdp", 2), ("replicate", -1)):
+    for name, shard in (("fsdp", 2), ("fsdp_freed", 2), ("replicate", -1)):
         cfg = ga_config(os.path.join(dump, name), ga=2)
         cfg.parallel.data_parallel_shard_degree = shard
+        cfg.parallel.fsdp_hold_weights = name == "fsdp"
         trainer = Trainer(cfg, dataloader=())
         assert trainer.parallel.dp_world_size == 2
-        assert trainer.parallel.fsdp == (name == "fsdp")
+        assert trainer.parallel.fsdp == name.startswith("fsdp")
         if name == "replicate":
             assert trainer.parallel.replica_group is not None
             assert len(trainer.pipeline.accumulator.buckets) >= 4
-        results = []
+        results, addresses = [], []
         for input_ids, labels in global_batches():
             rows = slice(4 * rank, 4 * rank + 4)  # rank r: rows 4r..4r+3, as 2 micro-batches
             results.append(trainer.train_step(split_rows(input_ids[rows], labels[rows], 2)))
+            if trainer.parallel.fsdp:
+                addresses.append(gathered_weight_addresses(trainer.model))
+        if name == "fsdp":  # every step gathers into the same buffers (CUDA graphs read them)
+            assert addresses[0] and all(0 not in a for a in addresses), addresses
+            assert addresses == [addresses[0]] * STEPS
+        elif name == "fsdp_freed":  # freed at each step's end
+            assert all(set(a) == {0} for a in addresses), addresses
         final = full_params(trainer.model)
         if rank == 0:
             torch.save({"losses": [r.loss for r in results],
@@ -112,7 +132,7 @@ def test_two_ranks_ga2_equal_one_rank_ga4(tmp_path):
     one = Trainer(ga_config(tmp_path / "ranks1", ga=4), dataloader=())
     results = [one.train_step(split_rows(i, l, 2)) for i, l in global_batches()]
     reference = params(one.model)
-    for name in ("fsdp", "replicate"):
+    for name in ("fsdp", "fsdp_freed", "replicate"):
         two = torch.load(tmp_path / "ranks2" / f"{name}.pt")
         assert two["losses"] == pytest.approx([r.loss for r in results], rel=1e-6), name
         # the gradient norm (before clipping) shows any averaging over ranks: Adam hides it

@@ -21,7 +21,7 @@ def decode_launches():
     """The launches of one decoding step of each 340M family at batch 4, in bf16, on CPU tensors."""
     import flame.ops.decode_matmul.decode_matmul_triton  # noqa: F401 - its kernel is recorded
     from flame.ops.gsa.decode_step_triton import gsa_decode_step_triton
-    from flame.ops.norm_mix.norm_mix_triton import norm_mix_triton, shift_lerp_triton
+    from flame.ops.norm_mix.norm_mix_triton import norm_mix_triton
     from flame.ops.rwkv6.decode_step_triton import rwkv6_decode_step_triton
     from flame.ops.rwkv7.decode_step_triton import rwkv7_decode_step_triton
 
@@ -30,24 +30,16 @@ def decode_launches():
     bf16 = torch.bfloat16
     rows = lambda n=1: torch.zeros(n, B, C, dtype=bf16)  # noqa: E731
     vec = lambda: torch.zeros(C, dtype=bf16)  # noqa: E731
-    x, prev = rows()[0], rows()[0]
-    wide = torch.zeros(B, 4 * C, dtype=bf16)[:, :C]  # a view of a wider matmul output
-    for mu, add, gate, keep_delta in ((rows(6)[:, 0], None, None, False),          # RWKV7 layer 0's time mix
-                                      (rows(6)[:, 0], wide, None, False),          # RWKV7's time mix
-                                      (rows(1)[:, 0], wide, wide, True),           # RWKV6's time mix
-                                      (rows(2)[:, 0], x, None, False)):            # a channel mix
-        norm_mix_triton(x, vec(), vec(), 1e-5, "layer", add, gate, prev, mu, False, keep_delta)
-    norm_mix_triton(x, vec(), vec(), 1e-5, "layer", wide, wide, None, None, False, False)  # the final norm
-    norm_mix_triton(x, vec(), None, 1e-6, "rms", wide, None, None, None, False, False)  # GSA's block norms
-    norm_mix_triton(x, vec(), None, 1e-6, "rms", None, None, None, None, True, False)  # GSA's output norm
-    shift_lerp_triton(x, x, torch.zeros(5, C, dtype=bf16), rows(5))
+    x = rows()[0]
+    norm_mix_triton(x, vec(), vec(), 1e-5, "layer", None, None, None, None, False)  # the RWKV final norm
+    norm_mix_triton(x, vec(), None, 1e-6, "rms", None, None, None, None, False)  # GSA's final norm
 
     proj, lora = rows(3), rows(4)
     per_head = torch.zeros(H, N, dtype=bf16)
     state = torch.zeros(B, H, N, N)
-    for first, gate_bias in ((True, torch.zeros(C)), (False, torch.zeros(C))):
+    for first in (True, False):
         rwkv7_decode_step_triton(*proj, lora[2], lora[1], lora[0], lora[3], x.clone(), vec(), vec(), vec(), vec(),
-                                 vec(), per_head, vec(), vec(), 64e-5, state, 0.6065, first, gate_bias)
+                                 vec(), per_head, vec(), vec(), 64e-5, state, 0.6065, first)
     rwkv6_decode_step_triton(*proj, lora[0], lora[1], vec(), per_head, vec(), vec(), 64e-5, state)
 
     for HQ, HK, K, M in ((4, 4, 256, 64), (4, 2, 256, 64)):  # the 340M GSA, and grouped queries

@@ -58,6 +58,20 @@ def _tanh(z):
 
 
 @triton.jit
+def _accumulate(acc, b_a, b_w, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BB, BN] + b_a [BB, BK] @ b_w [BN, BK]^T: a tl.dot tile (fp32 operands, exact products,
+    under the interpreter and for fp32 weights), or a broadcast-and-sum over K."""
+    if DOT:
+        if DOT_F32:
+            acc += tl.dot(b_a.to(tl.float32), tl.trans(b_w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(b_a, tl.trans(b_w))
+    else:
+        acc += tl.sum(b_a.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], 2)
+    return acc
+
+
+@triton.jit
 def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
                           nw, nb, eps, prev, mu, mix, s_mp, s_mb, h_out,
                           res, gate, s_gb, c_src, c_dst,
@@ -130,23 +144,10 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
         else:
             b_a = tl.load(x + src * s_xp + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0)
         m_nk = m_n[:, None] & m_k[None, :]
-        b_w = tl.load(p_w + o_k[None, :], mask=m_nk, other=0)
-        if DOT:
-            if DOT_F32:
-                acc += tl.dot(b_a.to(tl.float32), tl.trans(b_w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(b_a, tl.trans(b_w))
-        else:
-            acc += tl.sum(b_a.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], 2)
+        acc = _accumulate(acc, b_a, tl.load(p_w + o_k[None, :], mask=m_nk, other=0), DOT, DOT_F32)
         if GLU:
-            b_u = tl.load(p_w + up.to(tl.int64) * K + o_k[None, :], mask=m_nk, other=0)
-            if DOT:
-                if DOT_F32:
-                    acc_up += tl.dot(b_a.to(tl.float32), tl.trans(b_u.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc_up += tl.dot(b_a, tl.trans(b_u))
-            else:
-                acc_up += tl.sum(b_a.to(tl.float32)[:, None, :] * b_u.to(tl.float32)[None, :, :], 2)
+            acc_up = _accumulate(acc_up, b_a, tl.load(p_w + up.to(tl.int64) * K + o_k[None, :], mask=m_nk, other=0),
+                                 DOT, DOT_F32)
 
     if GLU:
         b_y = acc * tl.sigmoid(acc) * acc_up

@@ -144,6 +144,8 @@ def _check(x, weight, segments, norm, norm_weight, norm_bias, previous, mu, mix,
             if mu.dim() != 2 or mu.shape[1] != K or mu.device != x.device:
                 raise ValueError(f"{op}: mu must be [P, K] with K = {K} on {x.device}, got {tuple(mu.shape)}")
             check_rows(op, (B, K), x=x, previous=previous)
+            if not previous.is_contiguous():
+                raise ValueError(f"{op}: previous must be contiguous")
             if mix is not None and (tuple(mix.shape) != (mu.shape[0], B, K) or mix.stride(-1) != 1
                                     or mix.device != x.device):
                 raise ValueError(f"{op}: mix must be [P, B, K] = {[mu.shape[0], B, K]} with unit channel stride, "

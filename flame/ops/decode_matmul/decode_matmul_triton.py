@@ -184,7 +184,8 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
     grid = (tiles.shape[0], triton.cdiv(B, blocks["BB"]))
     _decode_matmul_kernel[grid](
         x, x.stride(0) if norm is None else 0, x.stride(-2), weight, tiles, out, N, B, K,
-        norm_weight if norm else None, norm_bias if norm == "layer" else None, eps, previous, mu, mix,
+        norm_weight if norm else None, norm_bias if norm == "layer" else None, eps, previous,
+        None if mu is None else mu.contiguous(), mix,
         mix.stride(0) if mix is not None else 0, mix.stride(1) if mix is not None else 0, h_out,
         residual, residual_gate, residual_gate.stride(0) if residual_gate is not None else 0, src, dst,
         NORM=0 if norm is None else 1 if norm == "layer" else 2, SILU=bool(silu), LERP=mu is not None,

@@ -23,14 +23,16 @@ def make(B, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     rows = sum(s.weight_rows for s in SEGMENTS)
-    return dict(x=rand(B, K).to(dtype), stack=rand(3, B, 2 * K).to(dtype)[..., :K], weight=(rand(rows, K) / 4).to(dtype),
+    return dict(x=rand(B, K).to(dtype), stack=rand(3, B, 2 * K).to(dtype)[..., :K],
+                weight=(rand(rows, K) / 4).to(dtype),
                 nw=rand(K), nb=rand(K), previous=rand(B, K).to(dtype), mu=torch.rand(3, K, generator=gen),
                 mix=rand(3, B, K).to(dtype), residual=rand(B, 66).to(dtype), gate=rand(B, 80).to(dtype)[:, :66],
                 src=rand(B, 66).to(dtype))
 
 
 def tolerance(dtype):
-    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)  # a lerp or h one bf16 step apart
+    """fp32: summation order; bf16: a lerp or h that rounds one bf16 step apart."""
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -120,7 +122,8 @@ def test_compiled_kernel_equals_torch_on_cuda(B, dtype):
     gen = torch.Generator(device="cuda").manual_seed(B)
     rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
     C, R = 1024, 160
-    segments = (Segment(C, 0), Segment(C, 1), Segment(R, 2, "tanh"), Segment(R, 1, "sigmoid"), Segment(4 * C, 2, "sqrelu"))
+    segments = (Segment(C, 0), Segment(C, 1), Segment(R, 2, "tanh"), Segment(R, 1, "sigmoid"),
+                Segment(4 * C, 2, "sqrelu"))
     weight = (rand(6 * C + 2 * R, C) / C ** 0.5).to(dtype)
     x, previous = rand(B, C).to(dtype), rand(B, C).to(dtype)
     mu, mix = torch.rand(3, C, generator=gen, device="cuda").to(dtype), rand(3, B, C).to(dtype)

@@ -100,7 +100,8 @@ def norm_mix(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
         mu: [N, C] the lerp coefficients.
         backend: "auto" (Triton for CUDA tensors), "triton" or "torch".
 
-    Returns h [B, C] without `mu`, else the lerps [N, B, C], in x's dtype. Neither path syncs with the host: a CUDA graph can capture it.
+    Returns h [B, C] without `mu`, else the lerps [N, B, C], in x's dtype. Neither path syncs with
+    the host: a CUDA graph can capture it.
     """
     _check(x, weight, bias, norm, add, gate, previous, mu)
     if eps is None:

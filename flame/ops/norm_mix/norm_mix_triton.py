@@ -64,6 +64,7 @@ def norm_mix_triton(x, weight, bias, eps, norm, add, gate, previous, mu, silu):
         x, add, gate, weight, bias, previous, None if mu is None else mu.contiguous(), out, C, B,
         add.stride(0) if add is not None else 0, gate.stride(0) if gate is not None else 0, eps,
         N_MIX=n_mix, HAS_ADD=add is not None, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None and norm == "layer", RMS=norm == "rms", SILU=bool(silu), BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        HAS_BIAS=bias is not None and norm == "layer", RMS=norm == "rms", SILU=bool(silu), BLOCK=block,
+        num_warps=4 if block <= 2048 else 8,
     )
     return out

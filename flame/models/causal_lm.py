@@ -40,8 +40,8 @@ class CausalLM(nn.Module):
 
     Decoding one token at a time over static buffers (`new_decode_state`, `decode_weights`,
     `decode_step`; flame.models.decoder captures it in a CUDA graph): blocks implement
-    `new_decode_state(batch, device, dtype)`, `decode_weights()` and `decode(x, pending, state,
-    weights)` (see `decode_step`).
+    `new_decode_state(batch, device, dtype)`, `decode_weights()` and `decode(x, state, weights)`
+    (see `decode_step`).
     """
 
     def __init__(self, args):
@@ -176,12 +176,10 @@ class CausalLM(nn.Module):
         (flame.models.decoder)."""
         return [layer.decode_weights() for layer in self.layers]
 
-    def _decode_layers(self, x: torch.Tensor, state: list[LayerState], weights: list[dict]
-                       ) -> tuple[torch.Tensor, dict]:
-        pending = {}
+    def _decode_layers(self, x: torch.Tensor, state: list[LayerState], weights: list[dict]) -> torch.Tensor:
         for layer, layer_state, layer_weights in zip(self.layers, state, weights):
-            x, pending = layer.decode(x, pending, layer_state, layer_weights)
-        return x, pending
+            x = layer.decode(x, layer_state, layer_weights)
+        return x
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, state: list[LayerState], weights: list[dict]) -> torch.Tensor:
@@ -190,16 +188,16 @@ class CausalLM(nn.Module):
         from `decode_weights()`.
 
         Equal to `forward_with_state(tokens[:, None], state)` up to rounding, with a block's work
-        fused into a few launches: per sub-layer one pass for the residual add, the norm and the
-        token-shift lerps (flame.ops.norm_mix), the projections as stacked matmuls, and one kernel
-        for the whole attention of the token (flame.ops.<family>.decode_step). A block's `decode`
-        leaves its last output unadded (`pending`: the `add` and `gate` arguments of the next
-        norm_mix), so each residual add joins the following norm. No host sync and no
-        data-dependent Python: a CUDA graph can capture the step.
+        fused into a few launches (flame.ops.decode_matmul): the projections that read the same
+        token run as one launch that also computes the sub-layer's norm and token-shift lerps
+        before them and the activation after them; the last projection of a sub-layer adds its
+        output to the residual stream x [B, C] in place (and writes the token shift); one kernel
+        runs the whole attention of the token (flame.ops.<family>.decode_step). No host sync and
+        no data-dependent Python: a CUDA graph can capture the step.
         """
         x, = to_compute_dtype(self.embeddings(tokens))
-        x, pending = self._decode_layers(x, state, weights)
-        return self.lm_head(norm_mix(x, **norm_args(self.norm), **pending))
+        x = self._decode_layers(x, state, weights)
+        return self.lm_head(norm_mix(x, **norm_args(self.norm)))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters; with exclude_embeddings, minus the input embedding
@@ -229,6 +227,13 @@ def norm_args(norm: nn.Module) -> dict:
     """The `flame.ops.norm_mix` arguments (weight, bias, eps, norm kind) of a LayerNorm or RMSNorm."""
     kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
     return {"weight": norm.weight, "bias": getattr(norm, "bias", None), "eps": norm.eps, "norm": kind}
+
+
+def prologue_args(norm: nn.Module) -> dict:
+    """The `flame.ops.decode_matmul` norm-prologue arguments (norm, norm_weight, norm_bias, eps) of a
+    LayerNorm or RMSNorm."""
+    args = norm_args(norm)
+    return {"norm": args["norm"], "norm_weight": args["weight"], "norm_bias": args["bias"], "eps": args["eps"]}
 
 
 def check_input_ids(input_ids: torch.Tensor) -> None:

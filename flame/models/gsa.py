@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.models import init
-from flame.models.causal_lm import CausalLM, norm_args
+from flame.models.causal_lm import CausalLM, prologue_args
 from flame.models.precision import RMSNorm
 from flame.models.state import LayerState
 from flame import ops
 from flame.ops.gsa.decode_step import gsa_decode_step
-from flame.ops.norm_mix import norm_mix
+from flame.ops.decode_matmul import Segment, decode_matmul
 
 INIT_STD = 0.02
 
@@ -98,15 +98,18 @@ class GSAAttention(nn.Module):
                              cu_seqlens=cu_seqlens)
         return self.o_proj(self.g_norm(F.silu(o.reshape(B, T, HQ * d))))
 
-    def decode(self, h: torch.Tensor, state: LayerState, weights: dict) -> torch.Tensor:
-        """One token: the normed input h [B, C] -> the output projection's output [B, C]. q, k, v
-        and the forget gate's logits come from one matmul over the concatenated weights."""
+    def decode(self, x: torch.Tensor, norm: dict, state: LayerState, weights: dict) -> None:
+        """One token: x [B, C] += the attention of its norm (`norm`: the block norm's decode_matmul
+        prologue arguments), in place. Three launches: the norm and the q, k, v and forget-gate
+        projections; the attention (gsa_decode_step); the output norm of silu(o) and the output
+        projection with the residual add."""
         H, HQ, d, M = self.num_kv_heads, self.num_heads, self.head_dim, self.num_slots
-        q, k, v, f = F.linear(h, weights["qkvf"]).split([HQ * d, H * d, H * d, H * M], dim=1)
+        qkvf = decode_matmul(x, weights["qkvf"], **norm, backend=self.backend)
+        q, k, v, f = qkvf.split([HQ * d, H * d, H * d, H * M], dim=1)
         hk, hv = state.recurrent
         o = gsa_decode_step(q, k, v, f, normalizer=self.gate_logit_normalizer, state_k=hk, state_v=hv,
                             backend=self.backend)
-        return self.o_proj(norm_mix(o, **norm_args(self.g_norm), silu=True, backend=self.backend))
+        decode_matmul(o, self.o_proj.weight, **prologue_args(self.g_norm), silu=True, residual=x, backend=self.backend)
 
     def state_flops_per_token(self) -> int:
         """Forward, per token: pass K updates H states [d, M] (decay + k s^T: 3 d M) and reads
@@ -171,19 +174,24 @@ class GSABlock(nn.Module):
 
     @torch.no_grad()
     def decode_weights(self) -> dict[str, torch.Tensor]:
+        """`qkvf`: the q, k, v and forget-gate weights; `gate_up`: the MLP's gate then up weights
+        (one swiglu segment of decode_matmul)."""
         attn, mlp = self.attn, self.mlp
         return {"qkvf": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.f_proj.weight]),
                 "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])}
 
-    def decode(self, x: torch.Tensor, pending: dict, state: LayerState, weights: dict):
-        """One token of the block over static buffers (CausalLM.decode_step): x [B, C] is the
-        residual stream, `pending` the previous block's unadded output; returns (x, this block's
-        unadded output)."""
+    def decode(self, x: torch.Tensor, state: LayerState, weights: dict) -> torch.Tensor:
+        """One token of the block over static buffers (CausalLM.decode_step): x [B, C], the
+        residual stream, takes both sub-layers' outputs in place. Five launches: three for the
+        attention (GSAAttention.decode), then the norm, gate and up projections with silu(gate) * up,
+        and the down projection with the residual add."""
         backend = self.attn.backend
-        h = norm_mix(x, **norm_args(self.attn_norm), **pending, backend=backend)
-        h = norm_mix(x, **norm_args(self.mlp_norm), add=self.attn.decode(h, state, weights), backend=backend)
-        gate, up = F.linear(h, weights["gate_up"]).chunk(2, dim=1)
-        return x, {"add": self.mlp.down_proj(F.silu(gate) * up)}
+        self.attn.decode(x, prologue_args(self.attn_norm), state, weights)
+        width = self.mlp.down_proj.in_features
+        hidden = decode_matmul(x, weights["gate_up"], (Segment(width, 0, "swiglu"),), **prologue_args(self.mlp_norm),
+                               backend=backend)
+        decode_matmul(hidden[None], self.mlp.down_proj.weight, residual=x, backend=backend)
+        return x
 
 
 class GSAForCausalLM(CausalLM):

@@ -25,7 +25,7 @@ from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv
 from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
 from flame import ops
-from flame.ops.norm_mix import shift_lerp
+from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.rwkv6.decode_step import rwkv6_decode_step
 
 DECAY_LOW_RANK_DIM = 64
@@ -42,11 +42,9 @@ class RWKV6Attention(nn.Module):
     """RWKV6 time mix. `time_decay` is the decay bias (the trainer gives it
     `decay_lr_multiplier`); LoRA matrices are free parameters (never weight-decayed).
 
-    Decoding one token (`decode`): the block's norm_mix gives the static lerp with mu_x and keeps
-    the normed token and its delta for the five data-dependent lerps; k, v, r and the gate's
-    projections run as one batched matmul."""
-
-    DECODE_KEEPS_DELTA = True
+    Decoding one token (`decode`): the static lerp with mu_x feeds the mix LoRA, whose outputs
+    make the five data-dependent lerps of one decode_matmul launch that computes k, v, r, the
+    gate and the decay LoRA's first matrix."""
 
     def __init__(self, args, layer_id: int):
         super().__init__()
@@ -133,26 +131,45 @@ class RWKV6Attention(nn.Module):
 
     @torch.no_grad()
     def decode_weights(self) -> dict[str, torch.Tensor]:
+        """`mix_in` [5 R, C] and `mix_out` [5 C, R]: the mix LoRA's matrices transposed (its second
+        stacked by branch w, k, v, r, g); `attn_in` [4 C + R_decay, C]: the key, value, receptance
+        and gate weights and the decay LoRA's first matrix, transposed; `decay_out` [C, R_decay];
+        the lerp coefficients mu_x (`attn_mu`) and w, k, v, r, g (`mix_mu`)."""
         return {
             "attn_mu": self.mu_x[None].clone(),
             "mix_mu": torch.stack([self.mu_w, self.mu_k, self.mu_v, self.mu_r, self.mu_g]),
-            "kvrg": torch.stack([self.key.weight, self.value.weight, self.receptance.weight, self.gate.weight]),
+            "mix_in": self.mix_w1.T.contiguous(),
+            "mix_out": self.mix_w2.transpose(1, 2).flatten(0, 1),
+            "attn_in": torch.cat([self.key.weight, self.value.weight, self.receptance.weight, self.gate.weight,
+                                  self.decay_w1.T]),
+            "decay_out": self.decay_w2.T.contiguous(),
         }
 
-    def decode(self, lerps: torch.Tensor, state: LayerState, weights: dict):
-        """One token: lerps [3, B, C] (the mu_x lerp, the normed token h, delta = previous - h) ->
-        (the output projection's output [B, C],)."""
-        xx, h, delta = lerps[0], lerps[1], lerps[2]
-        B, C = xx.shape
-        xi = torch.tanh(xx @ self.mix_w1).view(B, MIX_BRANCHES, self.mix_rank).transpose(0, 1)
-        m = torch.bmm(xi, self.mix_w2)  # [5, B, C]: w, k, v, r, g
-        xs = shift_lerp(h, delta, weights["mix_mu"], m, backend=self.backend)
-        kvrg = torch.bmm(xs[1:5], weights["kvrg"].transpose(1, 2))
-        w_lora = torch.tanh(xs[0] @ self.decay_w1) @ self.decay_w2
-        y = rwkv6_decode_step(kvrg[2], kvrg[0], kvrg[1], kvrg[3], w_lora, time_decay=self.time_decay, u=self.bonus,
-                              ln_weight=self.ln_x.weight, ln_bias=self.ln_x.bias, ln_eps=self.ln_x.eps,
-                              state=state.recurrent, backend=self.backend)
-        return (self.output(y),)
+    def decode(self, x: torch.Tensor, norm: dict, state: LayerState, weights: dict) -> tuple:
+        """One token: x [B, C] the residual stream, to which the time mix's output is added in
+        place; norm: the block norm's decode_matmul prologue arguments. Six launches: the norm, the
+        mu_x lerp and the mix LoRA's first matrix with its tanh; its second matrices (five
+        branches); the norm again, the data-dependent lerps and the k, v, r, gate and decay-LoRA
+        projections; the decay LoRA's second matrix; the attention (rwkv6_decode_step); the output
+        projection with the residual add and the token-shift write. Returns no carry, ()."""
+        B, C = x.shape
+        R, R_decay = self.mix_rank, weights["decay_out"].shape[1]
+        h = torch.empty_like(x)
+        xi = decode_matmul(x, weights["mix_in"], (Segment(MIX_BRANCHES * R, 0, "tanh"),), **norm,
+                           previous=state.attn_shift, mu=weights["attn_mu"], h_out=h, backend=self.backend)
+        m = decode_matmul(xi.unflatten(1, (MIX_BRANCHES, R)).transpose(0, 1), weights["mix_out"],
+                          tuple(Segment(C, i) for i in range(MIX_BRANCHES)), backend=self.backend)
+        segments = (*(Segment(C, i) for i in range(1, MIX_BRANCHES)), Segment(R_decay, 0, "tanh"))
+        proj = decode_matmul(x, weights["attn_in"], segments, **norm, previous=state.attn_shift,
+                             mu=weights["mix_mu"], mix=m.unflatten(1, (MIX_BRANCHES, C)).transpose(0, 1),
+                             backend=self.backend)  # k, v, r, gate, tanh(decay LoRA hidden)
+        w_lora = decode_matmul(proj[:, 4 * C:][None], weights["decay_out"], backend=self.backend)
+        y = rwkv6_decode_step(proj[:, 2 * C:3 * C], proj[:, :C], proj[:, C:2 * C], proj[:, 3 * C:4 * C], w_lora,
+                              time_decay=self.time_decay, u=self.bonus, ln_weight=self.ln_x.weight,
+                              ln_bias=self.ln_x.bias, ln_eps=self.ln_x.eps, state=state.recurrent,
+                              backend=self.backend)
+        decode_matmul(y[None], self.output.weight, residual=x, commit=(h, state.attn_shift), backend=self.backend)
+        return ()
 
     def state_flops_per_token(self) -> int:
         """Per head and token, forward: decay K*V, k v^T 2KV, readout S^T r 2KV = 5 K V (the
@@ -197,13 +214,21 @@ class RWKV6FeedForward(nn.Module):
 
     @torch.no_grad()
     def decode_weights(self) -> dict[str, torch.Tensor]:
-        return {"ffn_mu": torch.stack([self.mu_k, self.mu_r])}
+        """`ffn_mu`: the lerp coefficients k, r; `ffn_in`: the key and receptance weights, one
+        decode_matmul launch."""
+        return {"ffn_mu": torch.stack([self.mu_k, self.mu_r]),
+                "ffn_in": torch.cat([self.key.weight, self.receptance.weight])}
 
-    def decode(self, lerps: torch.Tensor, weights: dict) -> dict:
-        """One token: lerps [2, B, C] (k, r) -> value(k) gated by sigmoid(receptance(r)), left for
-        the next block's norm to add."""
-        k = ops.squared_relu(self.key(lerps[0]), backend=self.backend)
-        return {"add": self.value(k), "gate": self.receptance(lerps[1])}
+    def decode(self, x: torch.Tensor, norm: dict, state: LayerState, weights: dict) -> None:
+        """One token: x [B, C] += the channel mix of its norm, in place. Two launches: the norm,
+        lerps, key projection with its squared ReLU and receptance projection; the value projection
+        gated by sigmoid(receptance) with the residual add and the token-shift write."""
+        width = self.key.out_features
+        h = torch.empty_like(x)
+        kr = decode_matmul(x, weights["ffn_in"], (Segment(width, 0, "sqrelu"), Segment(x.shape[1], 1)), **norm,
+                           previous=state.ffn_shift, mu=weights["ffn_mu"], h_out=h, backend=self.backend)
+        decode_matmul(kr[:, :width][None], self.value.weight, residual=x, residual_gate=kr[:, width:],
+                      commit=(h, state.ffn_shift), backend=self.backend)
 
 
 class RWKV6Block(RWKVBlock):

@@ -29,6 +29,7 @@ from flame.models.rwkv_common import RWKVBlock, RWKVCausalLM, matrix_param, rwkv
 from flame.models.precision import GroupNorm, like
 from flame.models.state import LayerState
 from flame import ops
+from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.rwkv7.decode_step import rwkv7_decode_step
 
 DECAY_BOUND = math.exp(-0.5)
@@ -39,11 +40,8 @@ class RWKV7Attention(nn.Module):
     """RWKV7 time mix. LoRA matrices are free parameters applied as x @ W (never weight-decayed);
     `w0` is the decay bias (the trainer gives it `decay_lr_multiplier`).
 
-    Decoding one token (`decode`): the six lerps come out of the block's norm_mix in the order
-    r, k, v, a, w, g, so that r, k, v feed one batched matmul and v, a, w, g the LoRAs' first
-    matrices, stacked, with one more batched matmul for their second matrices."""
-
-    DECODE_KEEPS_DELTA = False
+    Decoding one token (`decode`): the six lerps, in the order r, k, v, a, w, g, are the inputs of
+    one decode_matmul launch that computes r, k, v and the LoRAs' first matrices."""
 
     def __init__(self, args, layer_id: int):
         super().__init__()
@@ -151,37 +149,51 @@ class RWKV7Attention(nn.Module):
 
     @torch.no_grad()
     def decode_weights(self) -> dict[str, torch.Tensor]:
-        """The LoRAs stacked in the branch order v, a, w, g, so that the two nonlinear branches
-        share one tanh: sigmoid(z) = 1/2 + tanh(z/2) / 2, so the gate's LoRA runs as
-        tanh(x (g1/2)) (g2/2) plus the bias colsum(g2)/2 (`gate_bias`)."""
-        if self.defines_v_first:  # no value residual: a zero LoRA in the v slot
-            v1, v2 = self.w1.new_zeros(self.w1.shape[0], 1), self.w2.new_zeros(1, self.w2.shape[1])
+        """`attn_in`: the receptance, key and value weights and the LoRAs' first matrices
+        (transposed, zero-padded to the largest rank R) in the branch order v, a, w, g, the rows of
+        one decode_matmul launch [3C + 4R, C]; `lora_out`: the LoRAs' second matrices, transposed
+        and zero-padded to R columns [4C, R]; `attn_mu`: the lerp coefficients in the order r, k,
+        v, a, w, g. Layer 0 has no value residual: a zero LoRA in the v slot."""
+        C = self.w0.numel()
+        if self.defines_v_first:
+            v1, v2 = self.w1.new_zeros(C, 1), self.w2.new_zeros(1, C)
         else:
             v1, v2 = self.v1, self.v2
+        firsts, seconds = [v1, self.a1, self.w1, self.g1], [v2, self.a2, self.w2, self.g2]
+        rank = max(m.shape[1] for m in firsts)
         return {
             "attn_mu": torch.stack([self.mu_r, self.mu_k, self.mu_v, self.mu_a, self.mu_w, self.mu_g]),
-            "rkv": torch.stack([self.receptance.weight, self.key.weight, self.value.weight]),
-            "lora_in": stack_padded([v1, self.a1, self.w1, self.g1 / 2]),   # [4, C, rank]
-            "lora_out": stack_padded([v2, self.a2, self.w2, self.g2 / 2]),  # [4, rank, C]
-            "gate_bias": self.g2.float().sum(0) / 2,
+            "attn_in": torch.cat([self.receptance.weight, self.key.weight, self.value.weight,
+                                  stack_padded([m.T for m in firsts], rows=rank).flatten(0, 1)]),
+            "lora_out": stack_padded([m.T for m in seconds], cols=rank).flatten(0, 1),
         }
 
-    def decode(self, lerps: torch.Tensor, state: LayerState, weights: dict, v_first: torch.Tensor):
-        """One token: lerps [6, B, C] (r, k, v, a, w, g) -> (the output projection's output [B, C],
-        v_first). Layer 0 writes v_first [B, C]; the others read it. Three batched matmuls: r, k, v;
-        the LoRAs' first matrices; their second matrices."""
-        rkv = torch.bmm(lerps[0:3], weights["rkv"].transpose(1, 2))
-        hidden = torch.bmm(lerps[2:6], weights["lora_in"])
-        hidden[2:4].tanh_()
-        lora = torch.bmm(hidden, weights["lora_out"])  # the v, a, w LoRA outputs and the gate without its bias
+    def decode(self, x: torch.Tensor, norm: dict, state: LayerState, weights: dict, v_first: torch.Tensor):
+        """One token: x [B, C] the residual stream, to which the time mix's output is added in
+        place; norm: the block norm's decode_matmul prologue arguments. Returns (v_first,): layer 0
+        writes v_first [B, C], the others read it. Four launches: the norm, lerps and projections
+        (r, k, v and the LoRAs' first matrices with their tanh and sigmoid); the LoRAs' second
+        matrices; the attention (rwkv7_decode_step); the output projection with the residual add
+        and the token-shift write."""
+        C = x.shape[1]
+        rank = weights["lora_out"].shape[1]
+        segments = (Segment(C, 0), Segment(C, 1), Segment(C, 2), Segment(rank, 2), Segment(rank, 3),
+                    Segment(rank, 4, "tanh"), Segment(rank, 5, "sigmoid"))
+        h = torch.empty_like(x)
+        proj = decode_matmul(x, weights["attn_in"], segments, **norm, previous=state.attn_shift,
+                             mu=weights["attn_mu"], h_out=h, backend=self.backend)
+        hidden = proj[:, 3 * C:].unflatten(1, (4, rank)).transpose(0, 1)  # [4, B, R]: v, a, w, g
+        lora = decode_matmul(hidden, weights["lora_out"], tuple(Segment(C, i) for i in range(4)),
+                             backend=self.backend)  # v, a, w LoRA outputs and the gate
         y = rwkv7_decode_step(
-            rkv[0], rkv[1], rkv[2], lora[2], lora[1], lora[0], lora[3], v_first,
+            proj[:, :C], proj[:, C:2 * C], proj[:, 2 * C:3 * C], lora[:, 2 * C:3 * C], lora[:, C:2 * C],
+            lora[:, :C], lora[:, 3 * C:], v_first,
             w0=self.w0, a0=self.a0, v0=None if self.defines_v_first else self.v0, k_k=self.k_k, k_a=self.k_a,
             r_k=self.r_k, ln_weight=self.ln_x.weight, ln_bias=self.ln_x.bias, ln_eps=self.ln_x.eps,
-            state=state.recurrent, decay_bound=DECAY_BOUND, is_first=self.defines_v_first,
-            gate_bias=weights["gate_bias"], backend=self.backend,
+            state=state.recurrent, decay_bound=DECAY_BOUND, is_first=self.defines_v_first, backend=self.backend,
         )
-        return self.output(y), v_first
+        decode_matmul(y[None], self.output.weight, residual=x, commit=(h, state.attn_shift), backend=self.backend)
+        return (v_first,)
 
     def state_flops_per_token(self) -> int:
         """Per head and token, forward: decay K*V, p = a^T S 2KV, b p^T 2KV, k v^T 2KV,
@@ -222,9 +234,14 @@ class RWKV7FeedForward(nn.Module):
     def decode_weights(self) -> dict[str, torch.Tensor]:
         return {"ffn_mu": self.mu_k.detach()[None]}
 
-    def decode(self, lerps: torch.Tensor, weights: dict) -> dict:
-        """One token: lerps [1, B, C] -> the output, left for the next block's norm to add."""
-        return {"add": self.value(ops.squared_relu(self.key(lerps[0]), backend=self.backend))}
+    def decode(self, x: torch.Tensor, norm: dict, state: LayerState, weights: dict) -> None:
+        """One token: x [B, C] += the channel mix of its norm, in place. Two launches: the norm,
+        lerp, key projection and squared ReLU; the value projection with the residual add and the
+        token-shift write."""
+        h = torch.empty_like(x)
+        k = decode_matmul(x, self.key.weight, (Segment(self.key.out_features, 0, "sqrelu"),), **norm,
+                          previous=state.ffn_shift, mu=weights["ffn_mu"], h_out=h, backend=self.backend)
+        decode_matmul(k[None], self.value.weight, residual=x, commit=(h, state.ffn_shift), backend=self.backend)
 
 
 class RWKV7Block(RWKVBlock):
@@ -262,8 +279,8 @@ class RWKV7ForCausalLM(RWKVCausalLM):
             x, v_first = layer(x, v_first, cu_seqlens=cu_seqlens, state=state)
         return x
 
-    def _decode_layers(self, x: torch.Tensor, state: list[LayerState], weights: list[dict]):
-        pending, v_first = {}, torch.empty_like(x)
+    def _decode_layers(self, x: torch.Tensor, state: list[LayerState], weights: list[dict]) -> torch.Tensor:
+        v_first = torch.empty_like(x)
         for layer, layer_state, layer_weights in zip(self.layers, state, weights):
-            x, pending, v_first = layer.decode(x, pending, layer_state, layer_weights, v_first)
-        return x, pending
+            x, v_first = layer.decode(x, layer_state, layer_weights, v_first)
+        return x

@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from flame.models import init
-from flame.models.causal_lm import CausalLM, norm_args
+from flame.models.causal_lm import CausalLM, prologue_args
 from flame.models.precision import LayerNorm
 from flame.models.state import LayerState
-from flame.ops.norm_mix import norm_mix
 
 
 def rwkv_heads(args) -> tuple[int, int]:
@@ -77,18 +76,15 @@ class RWKVBlock(nn.Module):
     def decode_weights(self) -> dict[str, torch.Tensor]:
         return {**self.attn.decode_weights(), **self.ffn.decode_weights()}
 
-    def decode(self, x: torch.Tensor, pending: dict, state: LayerState, weights: dict, *carry):
+    def decode(self, x: torch.Tensor, state: LayerState, weights: dict, *carry):
         """One token of the block over static buffers (CausalLM.decode_step): x [B, C] is the
-        residual stream, `pending` the previous block's unadded output; returns (x, this block's
-        unadded output, whatever the time mix passes on to the next layer, `carry`)."""
+        residual stream, which each sub-layer's last launch adds to in place; returns x, or with a
+        `carry` (what the time mix passes on to the next layer) (x, *carry)."""
         if self.is_first:
             x = self.pre_norm(x)
-        lerps = norm_mix(x, **norm_args(self.attn_norm), **pending, previous=state.attn_shift,
-                         mu=weights["attn_mu"], keep_delta=self.attn.DECODE_KEEPS_DELTA, backend=self.attn.backend)
-        out, *carry = self.attn.decode(lerps, state, weights, *carry)
-        lerps = norm_mix(x, **norm_args(self.ffn_norm), add=out, previous=state.ffn_shift, mu=weights["ffn_mu"],
-                         backend=self.attn.backend)
-        return x, self.ffn.decode(lerps, weights), *carry
+        carry = self.attn.decode(x, prologue_args(self.attn_norm), state, weights, *carry)
+        self.ffn.decode(x, prologue_args(self.ffn_norm), state, weights)
+        return (x, *carry) if carry else x
 
 
 def stack_padded(mats: list[torch.Tensor], rows: int | None = None, cols: int | None = None) -> torch.Tensor:

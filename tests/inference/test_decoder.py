@@ -18,7 +18,7 @@ from flame.generate import generate
 from flame.models.decoder import Decoder, decoder_for, prefill, release_decoders
 from flame.ops.backend import triton_interpreter_enabled
 from flame.ops.gsa.decode_step import gsa_decode_step
-from flame.ops.norm_mix import norm_mix, shift_lerp
+from flame.ops.norm_mix import norm_mix
 from flame.ops.rwkv6.decode_step import rwkv6_decode_step
 from flame.ops.rwkv7.decode_step import rwkv7_decode_step
 from tests.models.helpers import FAMILIES
@@ -110,7 +110,7 @@ def test_decoder_cache_and_weight_refresh():
 @pytest.mark.skipif(not triton_interpreter_enabled(), reason="Triton kernels on CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernels_equal_their_pytorch_forms(dtype):
-    """norm_mix, shift_lerp and the three decode_step ops: Triton (interpreter) against PyTorch, outputs and
+    """norm_mix and the three decode_step ops: Triton (interpreter) against PyTorch, outputs and
     in-place updates, with strided inputs (views of stacked matmul outputs)."""
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -131,7 +131,7 @@ def test_decode_kernels_equal_their_pytorch_forms(dtype):
     x, prev = rand(B, C).to(dtype), rand(B, C).to(dtype)
     add, gate = rand(B, 2 * C).to(dtype)[:, :C], rand(B, C).to(dtype)
     mu, w, b = torch.rand(5, C, generator=gen), rand(C), rand(C)
-    both(lambda be, x, p: norm_mix(x, w, b, 1e-5, add=add, gate=gate, previous=p, mu=mu, keep_delta=True,
+    both(lambda be, x, p: norm_mix(x, w, b, 1e-5, add=add, gate=gate, previous=p, mu=mu,
                                    backend=be), x, prev)
     both(lambda be, x: norm_mix(x, w, None, 1e-6, norm="rms", add=add, backend=be), x)
     both(lambda be, x: norm_mix(x, w, None, 1e-6, norm="rms", silu=True, backend=be), x)
@@ -139,12 +139,9 @@ def test_decode_kernels_equal_their_pytorch_forms(dtype):
     proj = rand(7, B, 2 * C).to(dtype)[..., :C]  # strided rows
     params = dict(w0=rand(C), a0=rand(C), v0=rand(C), k_k=rand(C), k_a=rand(C), r_k=rand(H, N), ln_weight=rand(C),
                   ln_bias=rand(C), ln_eps=16e-5, decay_bound=0.6065306597126334)
-    for first, gate_bias in ((True, None), (False, rand(C))):
-        both(lambda be, v_first, s: rwkv7_decode_step(*proj, v_first, state=s, is_first=first, gate_bias=gate_bias,
-                                                      backend=be, **params),
+    for first in (True, False):
+        both(lambda be, v_first, s: rwkv7_decode_step(*proj, v_first, state=s, is_first=first, backend=be, **params),
              rand(B, C).to(dtype), rand(B, H, N, N))
-    m = rand(5, B, C).to(dtype)
-    both(lambda be: shift_lerp(add, gate, mu, m, backend=be))
     time_decay = rand(C) - 2
     both(lambda be, s: rwkv6_decode_step(*proj[:5], time_decay=time_decay, u=params["r_k"],
                                          ln_weight=params["ln_weight"], ln_bias=params["ln_bias"], ln_eps=64e-5,

@@ -8,10 +8,6 @@ step): out_i = h + (previous - h) * mu_i. `previous` then takes h, ready for the
 
     norm_mix(x, weight, bias, eps, add=..., gate=..., previous=..., mu=...)
 
-RWKV6's time mix lerps a second time with data-dependent coefficients from a LoRA of the first
-lerp: `shift_lerp(h, delta, mu, m)` gives h + delta * (mu_i + m_i) from the h and delta that
-norm_mix(..., keep_delta=True) returns.
-
 Rounding follows the model's layers: x + add is rounded to x's dtype and stored back into x (the
 residual stream), h is rounded to x's dtype (a norm's output), the lerps are computed in fp32
 from those rounded values and rounded once.
@@ -28,8 +24,7 @@ from ..decode_checks import check_rows
 NORMS = ("layer", "rms")
 
 
-def norm_mix_torch(x, weight, bias, eps, norm="layer", add=None, gate=None, previous=None, mu=None, silu=False,
-                   keep_delta=False):
+def norm_mix_torch(x, weight, bias, eps, norm="layer", add=None, gate=None, previous=None, mu=None, silu=False):
     """norm_mix in PyTorch; the same contract as `norm_mix`."""
     dtype = x.dtype
     acc = torch.promote_types(dtype, torch.float32)
@@ -53,18 +48,10 @@ def norm_mix_torch(x, weight, bias, eps, norm="layer", add=None, gate=None, prev
     delta = previous.to(acc) - hf
     outs = [torch.addcmul(hf, delta, mu[i].to(acc)).to(dtype) for i in range(mu.shape[0])]
     previous.copy_(h)
-    if keep_delta:
-        outs += [h, delta.to(dtype)]
     return torch.stack(outs)
 
 
-def shift_lerp_torch(h, delta, mu, m):
-    """shift_lerp in PyTorch; the same contract as `shift_lerp`."""
-    acc = torch.promote_types(h.dtype, torch.float32)
-    return torch.addcmul(h.to(acc), delta.to(acc), mu.to(acc)[:, None] + m.to(acc)).to(h.dtype)
-
-
-def _check(x, weight, bias, norm, add, gate, previous, mu, keep_delta) -> None:
+def _check(x, weight, bias, norm, add, gate, previous, mu) -> None:
     op = "norm_mix"
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"{op}: x must be a floating [B, C] tensor (one token per sequence), got "
@@ -88,8 +75,6 @@ def _check(x, weight, bias, norm, add, gate, previous, mu, keep_delta) -> None:
             raise ValueError(f"{op}: mu must be [N, C] with N >= 1 and C = {C}, got {tuple(mu.shape)}")
         if not previous.is_contiguous() or previous.dtype != x.dtype:
             raise ValueError(f"{op}: previous must be contiguous and of x's dtype {x.dtype} (it is written in place)")
-    elif keep_delta:
-        raise ValueError(f"{op}: keep_delta needs the token-shift lerps (previous and mu)")
     for name, t in (("weight", weight), ("bias", bias), ("add", add), ("gate", gate), ("previous", previous),
                     ("mu", mu)):
         if t is not None and t.device != x.device:
@@ -99,7 +84,7 @@ def _check(x, weight, bias, norm, add, gate, previous, mu, keep_delta) -> None:
 def norm_mix(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *,
              norm: str = "layer", add: torch.Tensor | None = None, gate: torch.Tensor | None = None,
              previous: torch.Tensor | None = None, mu: torch.Tensor | None = None, silu: bool = False,
-             keep_delta: bool = False, backend: str = "auto") -> torch.Tensor:
+             backend: str = "auto") -> torch.Tensor:
     """One decoding token's norm (and token-shift lerps), after the residual add.
 
     Args:
@@ -113,31 +98,16 @@ def norm_mix(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
         previous: [B, C] the previous token's normed input (contiguous, x's dtype): the lerps read
             it and it takes this token's h.
         mu: [N, C] the lerp coefficients.
-        keep_delta: also return h and previous - h as the last two rows.
         backend: "auto" (Triton for CUDA tensors), "triton" or "torch".
 
-    Returns h [B, C] without `mu`, else the lerps [N, B, C] (N + 2 rows with keep_delta), in x's
-    dtype. Neither path syncs with the host: a CUDA graph can capture it.
+    Returns h [B, C] without `mu`, else the lerps [N, B, C], in x's dtype. Neither path syncs with
+    the host: a CUDA graph can capture it.
     """
-    _check(x, weight, bias, norm, add, gate, previous, mu, keep_delta)
+    _check(x, weight, bias, norm, add, gate, previous, mu)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     if resolve_backend(backend, x.device, "norm_mix") == "triton":
         from .norm_mix_triton import norm_mix_triton
-        return norm_mix_triton(x, weight, bias, float(eps), norm, add, gate, previous, mu, silu, keep_delta)
-    return norm_mix_torch(x, weight, bias, eps, norm, add, gate, previous, mu, silu, keep_delta)
+        return norm_mix_triton(x, weight, bias, float(eps), norm, add, gate, previous, mu, silu)
+    return norm_mix_torch(x, weight, bias, eps, norm, add, gate, previous, mu, silu)
 
-
-def shift_lerp(h: torch.Tensor, delta: torch.Tensor, mu: torch.Tensor, m: torch.Tensor, *,
-               backend: str = "auto") -> torch.Tensor:
-    """The lerps h + delta * (mu_i + m_i) [N, B, C] in h's dtype, computed in fp32, from h, delta
-    [B, C] (unit channel stride), mu [N, C] and m [N, B, C] (contiguous). No host sync."""
-    B, C = h.shape
-    check_rows("shift_lerp", (B, C), h=h, delta=delta)
-    if mu.dim() != 2 or mu.shape[1] != C or tuple(m.shape) != (mu.shape[0], B, C) or not m.is_contiguous():
-        raise ValueError(f"shift_lerp: mu must be [N, C] and m a contiguous [N, B, C] with C = {C}, B = {B}; got "
-                         f"{tuple(mu.shape)} and {tuple(m.shape)}")
-    if resolve_backend(backend, h.device, "shift_lerp") == "triton":
-        from .norm_mix_triton import shift_lerp_triton
-        return shift_lerp_triton(h, delta, mu.contiguous(), m)
-    return shift_lerp_torch(h, delta, mu, m)

@@ -1,4 +1,4 @@
-"""norm_mix and shift_lerp in Triton: one program per row (sequence) holds the whole row of C
+"""norm_mix in Triton: one program per row (sequence) holds the whole row of C
 channels.
 
 Per row: x (+ add * sigmoid(gate)) rounded to x's dtype and stored back, optional silu, LayerNorm
@@ -17,7 +17,7 @@ import triton.language as tl
 def _norm_mix_kernel(x, add, gate, weight, bias, previous, mu, out, C, B, stride_add, stride_gate, eps,
                      N_MIX: tl.constexpr, HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr,
                      HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr, SILU: tl.constexpr,
-                     KEEP_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr):
     i_b = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < C
@@ -52,48 +52,19 @@ def _norm_mix_kernel(x, add, gate, weight, bias, previous, mu, out, C, B, stride
         for i in tl.static_range(N_MIX):
             b_mu = tl.load(mu + i * C + cols, mask=mask, other=0).to(tl.float32)
             tl.store(out + i * B * C + row + cols, (b_hf + b_d * b_mu).to(out.dtype.element_ty), mask=mask)
-        if KEEP_DELTA:
-            tl.store(out + N_MIX * B * C + row + cols, b_h, mask=mask)
-            tl.store(out + (N_MIX + 1) * B * C + row + cols, b_d.to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _shift_lerp_kernel(h, delta, mu, m, out, B, C, s_h, s_d, N: tl.constexpr, BLOCK: tl.constexpr):
-    i_b = tl.program_id(0).to(tl.int64)
-    i_c = tl.program_id(1)
-    cols = i_c * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < C
-    b_h = tl.load(h + i_b * s_h + cols, mask=mask, other=0).to(tl.float32)
-    b_d = tl.load(delta + i_b * s_d + cols, mask=mask, other=0).to(tl.float32)
-    for i in tl.static_range(N):
-        b_c = tl.load(mu + i * C + cols, mask=mask, other=0).to(tl.float32) \
-            + tl.load(m + (i * B + i_b) * C + cols, mask=mask, other=0).to(tl.float32)
-        tl.store(out + (i * B + i_b) * C + cols, (b_h + b_d * b_c).to(out.dtype.element_ty), mask=mask)
-
-
-def shift_lerp_triton(h, delta, mu, m):
-    """Inputs are already checked (flame.ops.norm_mix.shift_lerp)."""
-    B, C = h.shape
-    N = mu.shape[0]
-    out = torch.empty(N, B, C, dtype=h.dtype, device=h.device)
-    block = min(triton.next_power_of_2(C), 1024)
-    _shift_lerp_kernel[(B, triton.cdiv(C, block))](h, delta, mu, m, out, B, C, h.stride(0), delta.stride(0), N=N,
-                                                    BLOCK=block, num_warps=4)
-    return out
-
-
-def norm_mix_triton(x, weight, bias, eps, norm, add, gate, previous, mu, silu, keep_delta):
+def norm_mix_triton(x, weight, bias, eps, norm, add, gate, previous, mu, silu):
     """Inputs are already checked (flame.ops.norm_mix)."""
     B, C = x.shape
     n_mix = 0 if mu is None else mu.shape[0]
-    rows = n_mix + 2 * bool(keep_delta)
-    out = torch.empty((rows, B, C) if n_mix else (B, C), dtype=x.dtype, device=x.device)
+    out = torch.empty((n_mix, B, C) if n_mix else (B, C), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(C)
     _norm_mix_kernel[(B,)](
         x, add, gate, weight, bias, previous, None if mu is None else mu.contiguous(), out, C, B,
         add.stride(0) if add is not None else 0, gate.stride(0) if gate is not None else 0, eps,
         N_MIX=n_mix, HAS_ADD=add is not None, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None and norm == "layer", RMS=norm == "rms", SILU=bool(silu),
-        KEEP_DELTA=bool(keep_delta), BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        HAS_BIAS=bias is not None and norm == "layer", RMS=norm == "rms", SILU=bool(silu), BLOCK=block,
+        num_warps=4 if block <= 2048 else 8,
     )
     return out

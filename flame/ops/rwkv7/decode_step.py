@@ -1,8 +1,8 @@
 """rwkv7_decode_step: the whole RWKV7 time mix of one token between its projections and its output
 projection, for B sequences, with the state updated in place.
 
-From the projections r, k, v [B, C], the LoRA outputs (before their biases) and the gate g (plus
-an optional per-channel gate_bias), per head:
+From the projections r, k, v [B, C], the LoRA outputs (before their biases) and the gate g, per
+head:
 
     w = -bound * sigmoid(w0 + w_lora)               log-decay
     a = sigmoid(a0 + a_lora)
@@ -25,7 +25,7 @@ from ..decode_checks import check_head_state, check_rows
 
 
 def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight,
-                            ln_bias, ln_eps, state, decay_bound, is_first, gate_bias=None):
+                            ln_bias, ln_eps, state, decay_bound, is_first):
     """rwkv7_decode_step in PyTorch; the same contract as `rwkv7_decode_step`."""
     B, C = r.shape
     H, N = r_k.shape
@@ -33,8 +33,6 @@ def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0,
     acc = torch.promote_types(dtype, torch.float32)
     f = lambda t: t.to(acc)  # noqa: E731
     r, k, v, g = f(r), f(k), f(v), f(g)
-    if gate_bias is not None:
-        g = g + f(gate_bias)
     w = -decay_bound * torch.sigmoid(f(w0) + f(w_lora))
     a = torch.sigmoid(f(a0) + f(a_lora))
     if is_first:
@@ -56,7 +54,7 @@ def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0,
 
 def rwkv7_decode_step(r, k, v, w_lora, a_lora, v_lora, g, v_first, *, w0, a0, v0, k_k, k_a, r_k, ln_weight,
                       ln_bias, ln_eps: float, state: torch.Tensor, decay_bound: float, is_first: bool,
-                      gate_bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                      backend: str = "auto") -> torch.Tensor:
     """The RWKV7 time mix of one token (module docstring) -> y [B, C] in r's dtype, the input of the
     output projection.
 
@@ -65,7 +63,6 @@ def rwkv7_decode_step(r, k, v, w_lora, a_lora, v_lora, g, v_first, *, w0, a0, v0
             of stacked matmul outputs). v_lora is unused (may be None) in layer 0.
         v_first: [B, C] contiguous: written (this token's v) when is_first, read otherwise.
         w0, a0, v0, k_k, k_a, ln_weight, ln_bias: [C] parameters; r_k [H, N].
-        gate_bias: [C] added to g (None: none).
         state: [B, H, N, N] fp32 (fp64 for fp64 inputs), contiguous, updated in place.
         decay_bound: e^{-1/2} in RWKV7 (the log-decay lies in [-decay_bound, 0]).
 
@@ -79,7 +76,6 @@ def rwkv7_decode_step(r, k, v, w_lora, a_lora, v_lora, g, v_first, *, w0, a0, v0
     if resolve_backend(backend, r.device, "rwkv7_decode_step") == "triton":
         from .decode_step_triton import rwkv7_decode_step_triton
         return rwkv7_decode_step_triton(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k,
-                                        ln_weight, ln_bias, float(ln_eps), state, float(decay_bound), is_first,
-                                        gate_bias)
+                                        ln_weight, ln_bias, float(ln_eps), state, float(decay_bound), is_first)
     return rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k,
-                                   ln_weight, ln_bias, ln_eps, state, decay_bound, is_first, gate_bias)
+                                   ln_weight, ln_bias, ln_eps, state, decay_bound, is_first)

@@ -12,9 +12,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _rwkv7_decode_kernel(r, k, v, w_l, a_l, v_l, g, g_bias, v_first, w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, state,
+def _rwkv7_decode_kernel(r, k, v, w_l, a_l, v_l, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, state,
                          y, s_r, s_k, s_v, s_w, s_a, s_vl, s_g, H, C, eps, bound,
-                         N: tl.constexpr, BN: tl.constexpr, IS_FIRST: tl.constexpr, HAS_G_BIAS: tl.constexpr):
+                         N: tl.constexpr, BN: tl.constexpr, IS_FIRST: tl.constexpr):
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -26,8 +26,6 @@ def _rwkv7_decode_kernel(r, k, v, w_l, a_l, v_l, g, g_bias, v_first, w0, a0, v0,
     b_k = tl.load(k + i_b * s_k + ch, mask=m_n, other=0).to(tl.float32)
     b_v = tl.load(v + i_b * s_v + ch, mask=m_n, other=0).to(tl.float32)
     b_g = tl.load(g + i_b * s_g + ch, mask=m_n, other=0).to(tl.float32)
-    if HAS_G_BIAS:
-        b_g += tl.load(g_bias + ch, mask=m_n, other=0).to(tl.float32)
     b_w = tl.load(w_l + i_b * s_w + ch, mask=m_n, other=0).to(tl.float32) \
         + tl.load(w0 + ch, mask=m_n, other=0).to(tl.float32)
     b_w = -bound * tl.sigmoid(b_w)
@@ -62,7 +60,7 @@ def _rwkv7_decode_kernel(r, k, v, w_l, a_l, v_l, g, g_bias, v_first, w0, a0, v0,
 
 
 def rwkv7_decode_step_triton(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight,
-                             ln_bias, ln_eps, state, decay_bound, is_first, gate_bias=None):
+                             ln_bias, ln_eps, state, decay_bound, is_first):
     """Inputs are already checked (flame.ops.rwkv7.decode_step)."""
     B, C = r.shape
     H, N = r_k.shape
@@ -71,9 +69,9 @@ def rwkv7_decode_step_triton(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0
         v_lora, v0 = w_lora, w0  # unread placeholders of the right type
     BN = max(triton.next_power_of_2(N), 16)
     _rwkv7_decode_kernel[(B * H,)](
-        r, k, v, w_lora, a_lora, v_lora, g, gate_bias, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight, ln_bias, state, y,
+        r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight, ln_bias, state, y,
         r.stride(0), k.stride(0), v.stride(0), w_lora.stride(0), a_lora.stride(0), v_lora.stride(0), g.stride(0),
-        H, C, ln_eps, decay_bound, N=N, BN=BN, IS_FIRST=bool(is_first), HAS_G_BIAS=gate_bias is not None,
+        H, C, ln_eps, decay_bound, N=N, BN=BN, IS_FIRST=bool(is_first),
         num_warps=4 if BN <= 64 else 8,
     )
     return y

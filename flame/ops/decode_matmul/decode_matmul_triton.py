@@ -1,0 +1,196 @@
+"""decode_matmul in Triton: one program per (tile of BN output columns, block of BB rows).
+
+A tile lies inside one segment (the tile table gives its first output column, its segment's end,
+its first weight row, its input, its activation and, for swiglu, the offset of the up rows). The
+program walks K in blocks of BK: it builds the input block (loads it, or with the norm prologue
+normalises the row block with the row statistics from a first walk and applies the lerp), and
+accumulates in fp32, with tl.dot tiles from 9 rows up (BB >= 16) and a broadcast-and-sum below
+(a GEMV: the weight read is the cost, and a dot tile of one row wastes 15 of its 16). The epilogue
+applies the activation, the residual add and the commit copy of the tile's columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import triton_interpreter_enabled
+from .decode_matmul import ACTIVATIONS
+
+TILE_FIELDS = 6  # first output column, segment end, first weight row, source, activation code, up-rows offset
+_TILE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def tile_table(segments, block_n: int, device: torch.device) -> torch.Tensor:
+    """The [tiles, TILE_FIELDS] int32 table of `segments` cut into tiles of block_n columns, built
+    once per (segments, block_n, device): a captured CUDA graph then reads it without a copy."""
+    key = (tuple(segments), block_n, device)
+    table = _TILE_TABLES.get(key)
+    if table is None:
+        rows, col, wrow = [], 0, 0
+        for seg in segments:
+            up = seg.width if seg.act == "swiglu" else 0
+            for start in range(0, seg.width, block_n):
+                rows.append([col + start, col + seg.width, wrow + start, seg.source, ACTIVATIONS.index(seg.act), up])
+            col += seg.width
+            wrow += seg.weight_rows
+        table = _TILE_TABLES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
+    return table
+
+
+def block_sizes(B: int, N: int, K: int) -> dict:
+    """Block sizes and launch options by shape: below 9 rows a GEMV (narrow column tiles, enough of
+    them to spread the weight read over the SMs, long K blocks); from 9 rows tl.dot tiles of up to
+    64 rows."""
+    bk_max = max(16, triton.next_power_of_2(K))
+    if B <= 8:
+        bb = triton.next_power_of_2(B)
+        bn = 32 if N >= 8192 else 16 if N >= 4096 else 8
+        return dict(BB=bb, BN=bn, BK=min(bk_max, max(16, 4096 // (bb * bn))), DOT=False, num_warps=4)
+    bb = min(64, max(16, triton.next_power_of_2(B)))
+    return dict(BB=bb, BN=64 if N >= 8192 else 32, BK=min(bk_max, 64), DOT=True, num_warps=4)
+
+
+@triton.jit
+def _tanh(z):
+    return 2 * tl.sigmoid(2 * z) - 1
+
+
+@triton.jit
+def _accumulate(acc, b_a, b_w, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BB, BN] + b_a [BB, BK] @ b_w [BN, BK]^T: a tl.dot tile (fp32 operands, exact products,
+    under the interpreter and for fp32 weights), or a broadcast-and-sum over K."""
+    if DOT:
+        if DOT_F32:
+            acc += tl.dot(b_a.to(tl.float32), tl.trans(b_w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(b_a, tl.trans(b_w))
+    else:
+        acc += tl.sum(b_a.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], 2)
+    return acc
+
+
+@triton.jit
+def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
+                          nw, nb, eps, prev, mu, mix, s_mp, s_mb, h_out,
+                          res, gate, s_gb, c_src, c_dst,
+                          NORM: tl.constexpr, SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr,
+                          WRITE_H: tl.constexpr, RESID: tl.constexpr, GATE: tl.constexpr, COMMIT: tl.constexpr,
+                          GLU: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                          BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    i_n = tl.program_id(0)
+    i_b = tl.program_id(1)
+    p_t = tiles + i_n * 6
+    col0 = tl.load(p_t)
+    col_end = tl.load(p_t + 1)
+    wrow0 = tl.load(p_t + 2)
+    src = tl.load(p_t + 3)
+    act = tl.load(p_t + 4)
+    up = tl.load(p_t + 5)
+    o_b = i_b * BB + tl.arange(0, BB)
+    m_b = o_b < B
+    rows = o_b.to(tl.int64)
+    o_n = tl.arange(0, BN)
+    m_n = col0 + o_n < col_end
+    p_w = w + (wrow0 + o_n).to(tl.int64)[:, None] * K
+
+    if NORM != 0:  # the row statistics
+        b_s1 = tl.zeros([BB], dtype=tl.float32)
+        b_s2 = tl.zeros([BB], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_bk = m_b[:, None] & (o_k < K)[None, :]
+            b_x = tl.load(x + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0).to(tl.float32)
+            if SILU:
+                b_x = b_x * tl.sigmoid(b_x)
+            b_s1 += tl.sum(b_x, 1)
+            b_s2 += tl.sum(b_x * b_x, 1)
+        if NORM == 1:  # LayerNorm
+            b_mean = b_s1 / K
+            b_rstd = 1 / tl.sqrt(tl.maximum(b_s2 / K - b_mean * b_mean, 0.0) + eps)
+        else:  # RMSNorm
+            b_mean = tl.zeros([BB], dtype=tl.float32)
+            b_rstd = 1 / tl.sqrt(b_s2 / K + eps)
+
+    acc = tl.zeros([BB, BN], dtype=tl.float32)
+    acc_up = tl.zeros([BB, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        m_bk = m_b[:, None] & m_k[None, :]
+        if NORM != 0:
+            b_x = tl.load(x + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0).to(tl.float32)
+            if SILU:
+                b_x = b_x * tl.sigmoid(b_x)
+            b_h = (b_x - b_mean[:, None]) * b_rstd[:, None]
+            if nw is not None:
+                b_h = b_h * tl.load(nw + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+            if nb is not None:
+                b_h = b_h + tl.load(nb + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+            b_h = b_h.to(x.dtype.element_ty)
+            if WRITE_H:
+                tl.store(h_out + rows[:, None] * K + o_k[None, :], b_h, mask=m_bk & (i_n == 0))
+            if LERP:
+                b_hf = b_h.to(tl.float32)
+                b_d = tl.load(prev + rows[:, None] * K + o_k[None, :], mask=m_bk, other=0).to(tl.float32) - b_hf
+                b_c = tl.load(mu + src * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+                if MIX:
+                    b_c = b_c + tl.load(mix + src * s_mp + rows[:, None] * s_mb + o_k[None, :], mask=m_bk,
+                                        other=0).to(tl.float32)
+                b_a = (b_hf + b_d * b_c).to(x.dtype.element_ty)
+            else:
+                b_a = b_h
+        else:
+            b_a = tl.load(x + src * s_xp + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0)
+        m_nk = m_n[:, None] & m_k[None, :]
+        acc = _accumulate(acc, b_a, tl.load(p_w + o_k[None, :], mask=m_nk, other=0), DOT, DOT_F32)
+        if GLU:
+            acc_up = _accumulate(acc_up, b_a, tl.load(p_w + up.to(tl.int64) * K + o_k[None, :], mask=m_nk, other=0),
+                                 DOT, DOT_F32)
+
+    if GLU:
+        b_y = acc * tl.sigmoid(acc) * acc_up
+    else:
+        b_y = tl.where(act == 1, _tanh(acc), acc)
+        b_y = tl.where(act == 2, tl.sigmoid(acc), b_y)
+        b_y = tl.where(act == 3, tl.maximum(acc, 0.0) * tl.maximum(acc, 0.0), b_y)
+    cols = col0 + o_n
+    m_bn = m_b[:, None] & m_n[None, :]
+    p_o = rows[:, None] * N + cols[None, :]
+    if RESID:
+        if GATE:
+            b_y = b_y * tl.sigmoid(tl.load(gate + rows[:, None] * s_gb + cols[None, :], mask=m_bn,
+                                           other=0).to(tl.float32))
+        b_y = tl.load(res + p_o, mask=m_bn, other=0).to(tl.float32) + b_y
+        tl.store(res + p_o, b_y.to(res.dtype.element_ty), mask=m_bn)
+    else:
+        tl.store(out + p_o, b_y.to(out.dtype.element_ty), mask=m_bn)
+    if COMMIT:
+        tl.store(c_dst + p_o, tl.load(c_src + p_o, mask=m_bn, other=0), mask=m_bn)
+
+
+def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out,
+                         residual, residual_gate, commit):
+    """Inputs are already checked (flame.ops.decode_matmul)."""
+    B, K = x.shape[-2:]
+    N = sum(seg.width for seg in segments)
+    blocks = block_sizes(B, N, K)
+    tiles = tile_table(segments, blocks["BN"], x.device)
+    out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
+    glu = segments[0].act == "swiglu"
+    dot_f32 = triton_interpreter_enabled() or x.dtype != torch.bfloat16 and x.dtype != torch.float16
+    src, dst = commit if commit is not None else (None, None)
+    grid = (tiles.shape[0], triton.cdiv(B, blocks["BB"]))
+    _decode_matmul_kernel[grid](
+        x, x.stride(0) if norm is None else 0, x.stride(-2), weight, tiles, out, N, B, K,
+        norm_weight if norm else None, norm_bias if norm == "layer" else None, eps, previous,
+        None if mu is None else mu.contiguous(), mix,
+        mix.stride(0) if mix is not None else 0, mix.stride(1) if mix is not None else 0, h_out,
+        residual, residual_gate, residual_gate.stride(0) if residual_gate is not None else 0, src, dst,
+        NORM=0 if norm is None else 1 if norm == "layer" else 2, SILU=bool(silu), LERP=mu is not None,
+        MIX=mix is not None, WRITE_H=h_out is not None, RESID=residual is not None, GATE=residual_gate is not None,
+        COMMIT=commit is not None, GLU=glu, DOT=blocks["DOT"], DOT_F32=dot_f32, BB=blocks["BB"], BN=blocks["BN"],
+        BK=blocks["BK"], num_warps=blocks["num_warps"],
+    )
+    return out

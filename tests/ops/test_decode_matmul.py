@@ -1,0 +1,139 @@
+"""decode_matmul: the PyTorch form against an explicit composition (norm_mix, matmuls,
+activations, residual add), and the Triton kernel (the interpreter on CPU) against the PyTorch
+form, for batch sizes on both of the kernel's paths (GEMV below 9 rows, tl.dot tiles from 9),
+odd widths, bf16 and fp32, and every prologue and epilogue."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flame.ops.backend import triton_interpreter_enabled
+from flame.ops.decode_matmul import Segment, decode_matmul
+from flame.ops.norm_mix import norm_mix
+
+needs_triton = pytest.mark.skipif(not triton_interpreter_enabled(), reason="Triton on CPU needs TRITON_INTERPRET=1")
+
+K = 37  # odd: a masked tail in every K walk
+SEGMENTS = (Segment(19, 2), Segment(5, 0, "tanh"), Segment(33, 1, "sigmoid"), Segment(9, 2, "sqrelu"))
+
+
+def make(B, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    rows = sum(s.weight_rows for s in SEGMENTS)
+    return dict(x=rand(B, K).to(dtype), stack=rand(3, B, 2 * K).to(dtype)[..., :K],
+                weight=(rand(rows, K) / 4).to(dtype),
+                nw=rand(K), nb=rand(K), previous=rand(B, K).to(dtype), mu=torch.rand(3, K, generator=gen),
+                mix=rand(3, B, K).to(dtype), residual=rand(B, 66).to(dtype), gate=rand(B, 80).to(dtype)[:, :66],
+                src=rand(B, 66).to(dtype))
+
+
+def tolerance(dtype):
+    """fp32: summation order; bf16: a lerp or h that rounds one bf16 step apart."""
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_form_equals_the_composition(dtype):
+    t = make(3, dtype)
+    acc = torch.float32
+    # norm, lerps with a data-dependent part, four segments
+    previous = t["previous"].clone()
+    h_out = torch.empty_like(t["x"])
+    got = decode_matmul(t["x"], t["weight"], SEGMENTS, norm="layer", norm_weight=t["nw"], norm_bias=t["nb"], eps=1e-5,
+                        previous=previous, mu=t["mu"], mix=t["mix"], h_out=h_out, backend="torch")
+    h = norm_mix(t["x"].clone(), t["nw"], t["nb"], 1e-5, backend="torch")
+    lerps = (h.to(acc) + (t["previous"].to(acc) - h.to(acc)) * (t["mu"][:, None] + t["mix"].to(acc))).to(dtype)
+    w = t["weight"].to(acc)
+    want = torch.cat([lerps[2].to(acc) @ w[:19].T, torch.tanh(lerps[0].to(acc) @ w[19:24].T),
+                      torch.sigmoid(lerps[1].to(acc) @ w[24:57].T), torch.relu(lerps[2].to(acc) @ w[57:].T) ** 2], 1)
+    torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(h_out, h, rtol=0, atol=0)
+    assert torch.equal(previous, t["previous"])  # only read: the commit writes it
+    # a plain stack of inputs into a gated residual add, with a commit
+    residual, dst = t["residual"].clone(), torch.zeros_like(t["src"])
+    decode_matmul(t["stack"], t["weight"][:66], (Segment(66, 1),), residual=residual, residual_gate=t["gate"],
+                  commit=(t["src"], dst), backend="torch")
+    y = torch.sigmoid(t["gate"].to(acc)) * (t["stack"][1].to(acc) @ w[:66].T)
+    torch.testing.assert_close(residual, (t["residual"].to(acc) + y).to(dtype), rtol=0, atol=0)
+    assert torch.equal(dst, t["src"])
+    # swiglu over an RMS-normed silu input
+    got = decode_matmul(t["x"], t["weight"][:40], (Segment(20, 0, "swiglu"),), norm="rms", norm_weight=t["nw"],
+                        eps=1e-6, silu=True, backend="torch")
+    h = F.rms_norm(F.silu(t["x"].to(acc)), (K,), t["nw"], 1e-6).to(dtype).to(acc)
+    want = F.silu(h @ w[:20].T) * (h @ w[20:40].T)
+    torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 3, 17])
+def test_triton_equals_torch(B, dtype):
+    t = make(B, dtype, seed=B)
+    tol = tolerance(dtype)
+
+    def both(fn, *buffers):
+        results = []
+        for backend in ("torch", "triton"):
+            copies = [b.clone() for b in buffers]
+            results.append([fn(backend, *copies), *copies])
+        for want, got in zip(*results):
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+
+    both(lambda be, h: decode_matmul(t["x"], t["weight"], SEGMENTS, norm="layer", norm_weight=t["nw"],
+                                     norm_bias=t["nb"], eps=1e-5, previous=t["previous"], mu=t["mu"], mix=t["mix"],
+                                     h_out=h, backend=be), torch.zeros_like(t["x"]))
+    both(lambda be: decode_matmul(t["x"], t["weight"], SEGMENTS, norm="layer", norm_weight=t["nw"], norm_bias=t["nb"],
+                                  eps=1e-5, previous=t["previous"], mu=t["mu"], backend=be))
+    both(lambda be: decode_matmul(t["stack"], t["weight"], SEGMENTS, backend=be))
+    both(lambda be, res, dst: decode_matmul(t["stack"], t["weight"][:66], (Segment(66, 2),), residual=res,
+                                            residual_gate=t["gate"], commit=(t["src"], dst), backend=be),
+         t["residual"], torch.zeros_like(t["src"]))
+    both(lambda be, res: decode_matmul(t["x"], t["weight"][:66], (Segment(66),), norm="rms", norm_weight=t["nw"],
+                                       eps=1e-6, silu=True, residual=res, backend=be), t["residual"])
+    both(lambda be: decode_matmul(t["x"], t["weight"][:46], (Segment(23, 0, "swiglu"),), norm="rms",
+                                  norm_weight=t["nw"], eps=1e-6, backend=be))
+
+
+def test_bad_input_is_named():
+    t = make(2, torch.float32)
+    with pytest.raises(ValueError, match="segments cover"):
+        decode_matmul(t["stack"], t["weight"], (Segment(5),), backend="torch")
+    with pytest.raises(ValueError, match="source"):
+        decode_matmul(t["stack"], t["weight"][:5], (Segment(5, 3),), backend="torch")
+    with pytest.raises(ValueError, match="swiglu"):
+        decode_matmul(t["stack"], t["weight"][:7], (Segment(2, 0, "swiglu"), Segment(3)), backend="torch")
+    with pytest.raises(ValueError, match="x's dtype"):
+        decode_matmul(t["stack"], t["weight"].double(), SEGMENTS, backend="torch")
+    with pytest.raises(ValueError, match="norm prologue"):
+        decode_matmul(t["stack"], t["weight"], SEGMENTS, mu=t["mu"], backend="torch")
+    with pytest.raises(ValueError, match="residual must be"):
+        decode_matmul(t["stack"], t["weight"], SEGMENTS, residual=t["residual"][:, :60].clone(), backend="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 5, 8, 9, 64, 100, 256])
+def test_compiled_kernel_equals_torch_on_cuda(B, dtype):
+    """The compiled kernel (both paths, every block-size regime of block_sizes) against the PyTorch
+    form on the GPU, at the 340M models' widths, with the full prologue and a gated residual add."""
+    gen = torch.Generator(device="cuda").manual_seed(B)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    C, R = 1024, 160
+    segments = (Segment(C, 0), Segment(C, 1), Segment(R, 2, "tanh"), Segment(R, 1, "sigmoid"),
+                Segment(4 * C, 2, "sqrelu"))
+    weight = (rand(6 * C + 2 * R, C) / C ** 0.5).to(dtype)
+    x, previous = rand(B, C).to(dtype), rand(B, C).to(dtype)
+    mu, mix = torch.rand(3, C, generator=gen, device="cuda").to(dtype), rand(3, B, C).to(dtype)
+    norm = dict(norm="layer", norm_weight=rand(C), norm_bias=rand(C), eps=1e-5)
+    outs = [decode_matmul(x, weight, segments, **norm, previous=previous, mu=mu, mix=mix, backend=be)
+            for be in ("torch", "triton")]
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), **tolerance(dtype))
+    hidden = outs[0][:, -4 * C:]
+    down = (rand(C, 4 * C) / (4 * C) ** 0.5).to(dtype)
+    residuals = [x.clone() for _ in range(2)]
+    for be, residual in zip(("torch", "triton"), residuals):
+        decode_matmul(hidden[None], down, residual=residual, residual_gate=outs[0][:, :C], backend=be)
+    torch.testing.assert_close(residuals[1].float(), residuals[0].float(), **tolerance(dtype))

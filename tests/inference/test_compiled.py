@@ -7,8 +7,6 @@ itself runs in the GPU-marked test. On CPU, the default (Inductor) falls back to
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -19,7 +17,7 @@ from flame.models import decoder
 from flame.models.compiled import compile_supported, compiled_blocks
 from flame.models.decoder import prefill
 from flame.ops.checks import value_checks_off
-from tests.inference.test_eval import DOCS
+from tests.inference.test_eval import DOCS, write_jsonl
 from tests.models.helpers import FAMILIES
 from tests.models.test_decoding import trained_like
 
@@ -79,17 +77,16 @@ def test_compiled_prefill_equals_eager_and_compiles_once_per_batch_size(family):
 def test_compiled_eval_equals_eager_and_compiles_the_full_batches_only(tmp_path, family):
     tokenizer = load_tokenizer("")
     model = trained_like(family, vocab_size=tokenizer.vocab_size)
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 3), encoding="utf-8")
+    data = write_jsonl(tmp_path, DOCS * 3)
     counter = CompileCounter()
-    compiled = evaluate(model, tokenizer, str(data), seq_len=9, batch_size=4, compile=counter)
+    compiled = evaluate(model, tokenizer, data, seq_len=9, batch_size=4, compile=counter)
     frames = counter.frame_count
     assert frames > 0
-    eager = evaluate(model, tokenizer, str(data), seq_len=9, batch_size=4, compile=False)
+    eager = evaluate(model, tokenizer, data, seq_len=9, batch_size=4, compile=False)
     assert compiled["tokens"] == eager["tokens"] and compiled["tokens"] % 9  # a short last window too
     assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-6)
     # another file, whose ragged last batch and last window differ, compiles nothing new
-    again = evaluate(model, tokenizer, str(data), seq_len=9, batch_size=4, max_tokens=9 * 4 * 2 + 9 + 3,
+    again = evaluate(model, tokenizer, data, seq_len=9, batch_size=4, max_tokens=9 * 4 * 2 + 9 + 3,
                      compile=counter)
     assert counter.frame_count == frames
     assert again["tokens"] == 9 * 4 * 2 + 9 + 3

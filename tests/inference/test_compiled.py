@@ -26,24 +26,30 @@ SEGMENT = 16
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo(monkeypatch):
-    """Each test starts with no compiled code and a prefill segment of SEGMENT tokens."""
+    """Each test starts with no compiled code and a prefill segment of SEGMENT tokens; reaching
+    Dynamo's recompile limit is an error (not a silent fall back to eager, which would compile
+    nothing new either)."""
     torch._dynamo.reset()
     monkeypatch.setattr(decoder, "PREFILL_SEGMENT", SEGMENT)
-    yield
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
     torch._dynamo.reset()
+
+
+def state_tensors(state) -> list[torch.Tensor | None]:
+    """Every field of every layer's state, in one list (None for an unset field)."""
+    out = []
+    for layer in state:
+        recurrent = layer.recurrent if isinstance(layer.recurrent, tuple) else (layer.recurrent,)
+        out += [layer.attn_shift, layer.ffn_shift, *recurrent]
+    return out
 
 
 def assert_states_equal(got, expected, **tol) -> None:
     assert len(got) == len(expected)
-    for mine, theirs in zip(got, expected):
-        for field in ("attn_shift", "ffn_shift"):
-            a, b = getattr(mine, field), getattr(theirs, field)
-            assert (a is None) == (b is None)
-            if a is not None:
-                torch.testing.assert_close(a, b, **tol)
-        recurrent = mine.recurrent if isinstance(mine.recurrent, tuple) else (mine.recurrent,)
-        reference = theirs.recurrent if isinstance(theirs.recurrent, tuple) else (theirs.recurrent,)
-        for a, b in zip(recurrent, reference):
+    for a, b in zip(state_tensors(got), state_tensors(expected), strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
             torch.testing.assert_close(a, b, **tol)
 
 
@@ -124,15 +130,20 @@ def test_a_failing_compilation_warns_once_and_runs_eagerly():
     assert len(calls) == tried == 1
 
 
+def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.float(), ref.float()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_inductor_prefill_and_eval_loss_equal_eager_on_cuda(family, monkeypatch):
     """Inductor on the Triton kernels, bf16: the compiled prefill's logits and state and the
-    compiled eval loss match the eager ones (up to bf16 rounding of a different fusion), and a
-    second prompt length compiles nothing new."""
+    compiled eval loss match the eager ones up to bf16 rounding (Inductor fuses and rounds the glue
+    differently), and a second prompt length compiles nothing new."""
     monkeypatch.setattr(decoder, "PREFILL_SEGMENT", 64)
-    model = trained_like(family, device="cuda").to(torch.bfloat16).eval()
+    model = trained_like(family, device="cuda", backend="triton").to(torch.bfloat16).eval()
     assert compile_supported(torch.device("cuda"))
     ids = torch.randint(0, 256, (4, 64 * 3 + 9), generator=torch.Generator().manual_seed(3)).cuda()
     counts = torch._dynamo.utils.counters
@@ -140,14 +151,18 @@ def test_inductor_prefill_and_eval_loss_equal_eager_on_cuda(family, monkeypatch)
     with value_checks_off():
         logits, state = prefill(model, ids)
         ref_logits, ref_state = prefill(model, ids, compile=False)
-        torch.testing.assert_close(logits.float(), ref_logits.float(), rtol=3e-2, atol=3e-2)
-        assert_states_equal(state, ref_state, rtol=3e-2, atol=3e-2)
         compiles = counts["stats"]["unique_graphs"]
-        assert compiles > 0
+        assert compiles > 0, "prefill compiled nothing"
+        assert relative_rms(logits, ref_logits) < 2e-2
+        for a, b in zip(state_tensors(state), state_tensors(ref_state), strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert relative_rms(a, b) < 2e-2
         prefill(model, ids[:, :64 * 2 + 1])
-        assert counts["stats"]["unique_graphs"] == compiles
-        x, y = ids[:, :-1][:, :128], ids[:, 1:][:, :128]
+        assert counts["stats"]["unique_graphs"] == compiles, "a new prompt length compiled new graphs"
+        x, y = ids[:, :128], ids[:, 1:129]
         with compiled_blocks(model) as compiled:
             assert compiled
             loss = model(x, labels=y)
+        assert counts["stats"]["unique_graphs"] > compiles
         torch.testing.assert_close(loss.float(), model(x, labels=y).float(), rtol=1e-2, atol=0)

@@ -21,9 +21,12 @@ What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 3200
   import). The package decodes one sequence per call, so batch B runs B calls per token; only
   --rwkv-batch-sizes are measured, from a prompt of --rwkv-prompt-len tokens.
 - prefill: --prefill-batch x --prefill-len tokens through the chunked kernels to the recurrent state
-  (flame `forward_with_state`, fla's forward with use_cache); flame's eval forward (the fused
-  LM-head loss, `flame.eval`) on the same tokens; the rwkv package prefills one sequence of
-  --rwkv-prompt-len tokens.
+  (flame's `prefill`, fla's forward with use_cache); flame's eval forward (the fused LM-head loss,
+  as `flame.eval` runs it) on the same tokens; the rwkv package prefills one sequence of
+  --rwkv-prompt-len tokens. flame's prefill and eval forward run the model's blocks compiled
+  (flame.models.compiled: torch.compile per block, compiled in the warm-up run; prefill compiles
+  its segments of PREFILL_SEGMENT tokens and runs the rest eagerly) unless --no-compile; the row's
+  "compiled" says whether they did.
 - the peak GPU memory of each measurement.
 
 A library that is not installed, or that fails on a family, is reported with a note and the
@@ -152,7 +155,8 @@ def bench_flame(family: str, args, device) -> list[dict]:
 
     from flame.generate import generate
     from flame.ops.checks import value_checks_off
-    from flame.models.decoder import decoder_for, prefill, release_decoders
+    from flame.models.compiled import compiled_blocks
+    from flame.models.decoder import PREFILL_SEGMENT, decoder_for, prefill, release_decoders
 
     model = build_flame(family, device, args.tiny)
     rows = []
@@ -161,16 +165,26 @@ def bench_flame(family: str, args, device) -> list[dict]:
         ids = random_ids(model.vocab_size, args.prefill_batch, args.prefill_len + 1, device, seed=1)
         inputs, labels = ids[:, :-1], ids[:, 1:]
         with value_checks_off():
-            prefill_s, _ = timed(lambda: prefill(model, inputs), args.repeats, device)
+            prefill_s, _ = timed(lambda: prefill(model, inputs, compile=args.compile), args.repeats, device)
             prefill_peak = peak_gib(device)
             reset_memory(device)
-            eval_s, _ = timed(lambda: model(inputs, labels=labels), args.repeats, device)
+
+            def eval_forward():
+                with compiled_blocks(model, args.compile):
+                    return model(inputs, labels=labels)
+
+            eval_s, _ = timed(eval_forward, args.repeats, device)
+            with compiled_blocks(model, args.compile) as compiled:  # False also after a failed compilation
+                pass
         tokens = inputs.numel()
+        note = "compiled blocks" if compiled else "eager blocks"
+        if compiled and args.prefill_len % PREFILL_SEGMENT:
+            note += f" (prefill: {args.prefill_len % PREFILL_SEGMENT} of the tokens eagerly)"
         rows.append({"family": family, "model": model_name(family, args), "lib": "flame", "kind": "prefill",
                      "batch": args.prefill_batch,
                      "seq_len": args.prefill_len, "prefill_tokens_per_s": tokens / prefill_s,
                      "eval_tokens_per_s": tokens / eval_s, "prefill_peak_gib": prefill_peak,
-                     "eval_peak_gib": peak_gib(device)})
+                     "eval_peak_gib": peak_gib(device), "compiled": compiled, "note": note})
         print(json.dumps(rows[-1]), flush=True)
         del ids, inputs, labels
 
@@ -410,6 +424,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after the warm-up (median)")
     parser.add_argument("--prefill-batch", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="flame's prefill and eval forward through the model's compiled blocks (default); "
+                             "--no-compile: eagerly")
     parser.add_argument("--rwkv-strategy", default=None,
                         help="the rwkv package's strategy (default: 'cuda bf16', 'cpu fp32' with --device cpu)")
     parser.add_argument("--rwkv-cuda", action="store_true",

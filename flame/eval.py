@@ -1,6 +1,6 @@
 """Language-model metrics of a trained model on a local text file: loss, perplexity, bits per byte.
 
-    python -m flame.eval --model DIR --data FILE [--seq-len N] [--batch-size B] [--max-tokens M]
+    python -m flame.eval --model DIR --data FILE [--seq-len N] [--batch-size B] [--max-tokens M] [--no-compile]
 
 FILE is a .txt file (one document) or a .jsonl file (one document per line, in a "text" field),
 read and tokenized the way the trainer reads its data: the token stream `EOD d0 EOD d1 EOD ...`.
@@ -10,8 +10,9 @@ divide the total cross-entropy by ln 2 and by the UTF-8 bytes of the text whose 
 predicted, which makes models with different tokenizers comparable.
 
 The windows run batch_size at a time through the chunked kernels and the fused LM-head loss (the
-model's forward with labels: no [tokens, vocab] logits), at the speed of the training step's
-forward; a progress line on stderr shows the tokens done and the tokens per second.
+model's forward with labels: no [tokens, vocab] logits), with the blocks compiled as the trainer
+compiles them (flame.models.compiled; on CUDA, unless --no-compile), at the speed of the training
+step's forward; a progress line on stderr shows the tokens done and the tokens per second.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command
+from flame.models.compiled import compiled_blocks
 from flame.ops.checks import value_checks_off
 
 
@@ -89,10 +91,14 @@ class Progress:
 
 @torch.no_grad()
 def cross_entropy_of_stream(model, stream: np.ndarray, num_tokens: int, seq_len: int, batch_size: int,
-                            progress=None) -> float:
+                            progress=None, compile=True) -> float:
     """Total cross-entropy (nats, summed in fp64) of stream[1:num_tokens+1] predicted from
     stream[:num_tokens] in windows of seq_len tokens, batch_size windows per forward (the model's
-    fused loss); `progress` (a Progress) is updated after each batch."""
+    fused loss); `progress` (a Progress) is updated after each batch.
+
+    compile (True, False or a torch.compile backend: flame.models.compiled): the full batches, all
+    of one shape [batch_size, seq_len], run through the model's compiled blocks; a last batch of
+    fewer windows and the short last window run eagerly (no graph compiled for one call)."""
     device = model.embeddings.weight.device
     ids = torch.from_numpy(stream[:num_tokens + 1].astype(np.int64))
     full = num_tokens // seq_len
@@ -105,7 +111,8 @@ def cross_entropy_of_stream(model, stream: np.ndarray, num_tokens: int, seq_len:
     done = 0
     with value_checks_off():
         for i, (x, y) in enumerate(batches):
-            total += model(x.to(device, non_blocking=True), labels=y.to(device, non_blocking=True)).double()
+            with compiled_blocks(model, compile if x.shape == (batch_size, seq_len) else False):
+                total += model(x.to(device, non_blocking=True), labels=y.to(device, non_blocking=True)).double()
             done += y.numel()
             if progress is not None:
                 if device.type == "cuda":
@@ -115,10 +122,11 @@ def cross_entropy_of_stream(model, stream: np.ndarray, num_tokens: int, seq_len:
 
 
 def evaluate(model, tokenizer, data: str, seq_len: int = 2048, batch_size: int = 8, max_tokens: int = 0,
-             text_field: str = "text", progress_out=None) -> dict[str, float]:
+             text_field: str = "text", progress_out=None, compile=True) -> dict[str, float]:
     """`lm_metrics` of `model` on the file `data`: at most max_tokens predicted tokens (0: all),
     plus the evaluation's `seconds` and `tokens_per_second` (the forwards only, not the reading
-    and tokenizing). progress_out: a text stream for the progress line (None: none)."""
+    and tokenizing; the first full batch's compilation included). progress_out: a text stream for
+    the progress line (None: none). compile: see `cross_entropy_of_stream`."""
     if seq_len < 1 or batch_size < 1 or max_tokens < 0:
         raise InferenceError(f"seq_len and batch_size must be >= 1 and max_tokens >= 0, got {seq_len}, "
                              f"{batch_size}, {max_tokens}")
@@ -126,7 +134,7 @@ def evaluate(model, tokenizer, data: str, seq_len: int = 2048, batch_size: int =
     num_tokens = len(stream) - 1 if max_tokens == 0 else min(max_tokens, len(stream) - 1)
     start = time.perf_counter()
     nats = cross_entropy_of_stream(model, stream, num_tokens, seq_len, batch_size,
-                                   Progress(num_tokens, progress_out))
+                                   Progress(num_tokens, progress_out), compile)
     seconds = time.perf_counter() - start
     metrics = lm_metrics(nats, num_tokens, predicted_bytes(stream, offsets, doc_bytes, num_tokens, tokenizer))
     return {**metrics, "seconds": seconds, "tokens_per_second": num_tokens / max(seconds, 1e-9)}
@@ -148,6 +156,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the full batches through the model's blocks compiled with torch.compile, on "
+                             "CUDA (default; the first batch waits for the compilation); --no-compile: eagerly")
     return parser.parse_args(argv)
 
 
@@ -160,7 +171,7 @@ def run(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     model, tokenizer = load_for_inference(args.model, device, resolve_dtype(args.dtype, device))
     m = evaluate(model, tokenizer, args.data, args.seq_len, args.batch_size, args.max_tokens, args.text_field,
-                 progress_out=sys.stderr)
+                 progress_out=sys.stderr, compile=args.compile)
     print(f"loss {m['loss']:.4f} nats/token | perplexity {m['perplexity']:.3f} | "
           f"bits per byte {m['bits_per_byte']:.4f} | {m['tokens']} tokens, {m['bytes']} bytes | "
           f"{m['tokens_per_second']:,.0f} tokens/s")

@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from flame.models.compiled import compiled_blocks
 from flame.models.state import LayerState
 
 WARMUP_STEPS = 2
@@ -136,17 +137,43 @@ class Decoder:
         return self.logits
 
 
+PREFILL_SEGMENT = 2048
+"""Tokens per compiled prefill call: a [B, T] prompt runs as T // PREFILL_SEGMENT segments of this
+length through the compiled blocks (one graph per batch size, flame.models.compiled), and the rest
+of T eagerly. Shorter prompts run eagerly: compiling a graph costs far more than they take."""
+
+
 @torch.no_grad()
-def prefill(model, prompts: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, list[LayerState]]:
+def prefill(model, prompts: torch.Tensor | list[torch.Tensor], compile=True
+            ) -> tuple[torch.Tensor, list[LayerState]]:
     """(last logits [B, vocab], state) of B prompts through the chunked kernels: a [B, T] tensor in
     one batched call, or a list of B 1-D tensors of any lengths packed into one varlen call
-    (`forward_with_state` with cu_seqlens)."""
-    if isinstance(prompts, torch.Tensor):
-        logits, state = model.forward_with_state(prompts, last_only=True)
-    else:
+    (`forward_with_state` with cu_seqlens).
+
+    compile (True, False or a torch.compile backend: `compiled_blocks`): a [B, T] prompt of at least
+    PREFILL_SEGMENT tokens runs its whole segments through the model's compiled blocks, each segment
+    continuing the state of the one before from the zero state of the empty prefix, so that every
+    segment has the same shape and the same state arguments; the rest of the prompt, and packed
+    prompts, run eagerly."""
+    if not isinstance(prompts, torch.Tensor):
         lengths = torch.tensor([0] + [p.numel() for p in prompts])
         cu_seqlens = lengths.cumsum(0).to(prompts[0].device)
         logits, state = model.forward_with_state(torch.cat(prompts)[None], last_only=True, cu_seqlens=cu_seqlens)
+        return logits[:, -1], state
+    segments = prompts.shape[1] // PREFILL_SEGMENT if prompts.dim() == 2 else 0
+    state, done = None, 0
+    if segments:
+        with compiled_blocks(model, compile) as compiled:
+            if compiled:
+                state = model.new_decode_state(prompts.shape[0])
+                for _ in range(segments):
+                    logits, state = model.forward_with_state(prompts[:, done:done + PREFILL_SEGMENT], state,
+                                                             last_only=True)
+                    done += PREFILL_SEGMENT
+    if done == 0:
+        logits, state = model.forward_with_state(prompts, last_only=True)
+    elif done < prompts.shape[1]:
+        logits, state = model.forward_with_state(prompts[:, done:], state, last_only=True)
     return logits[:, -1], state
 
 

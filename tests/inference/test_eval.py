@@ -19,6 +19,13 @@ from tests.models.test_decoding import trained_like
 DOCS = ["To be, or not to be: that is the question.", "Überall — 日本語 🙂 and more words here", "Short."]
 
 
+def write_jsonl(tmp_path, docs: list[str]) -> str:
+    """A docs.jsonl file in tmp_path, one {"text": doc} per line; returns its path."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return str(data)
+
+
 def test_metrics_are_the_usual_formulas():
     m = lm_metrics(total_nats=6.0, num_tokens=3, num_bytes=4)
     assert m["loss"] == 2.0
@@ -45,14 +52,13 @@ def hand_cross_entropy(model, stream: list[int], num_tokens: int, seq_len: int) 
 def test_evaluate_matches_a_hand_computation(tmp_path):
     tokenizer = load_tokenizer("")
     model = trained_like("rwkv7", vocab_size=tokenizer.vocab_size)
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
+    data = write_jsonl(tmp_path, DOCS)
     eod = tokenizer.eod_id
     stream = [eod]
     for d in DOCS:
         stream += tokenizer.encode(d) + [eod]
 
-    m = evaluate(model, tokenizer, str(data), seq_len=7, batch_size=2)
+    m = evaluate(model, tokenizer, data, seq_len=7, batch_size=2)
     n = len(stream) - 1
     assert m["tokens"] == n and n % 7  # a short last window too
     assert m["bytes"] == sum(len(d.encode("utf-8")) for d in DOCS)
@@ -61,7 +67,7 @@ def test_evaluate_matches_a_hand_computation(tmp_path):
     # cut inside the second document: its predicted tokens' text counts, nothing after it
     first = len(tokenizer.encode(DOCS[0])) + 1
     cut = first + 5
-    m = evaluate(model, tokenizer, str(data), seq_len=4, batch_size=3, max_tokens=cut)
+    m = evaluate(model, tokenizer, data, seq_len=4, batch_size=3, max_tokens=cut)
     assert m["tokens"] == cut
     second = tokenizer.decode(tokenizer.encode(DOCS[1])[:5]).encode("utf-8")
     assert m["bytes"] == len(DOCS[0].encode("utf-8")) + len(second)
@@ -79,11 +85,10 @@ def test_evaluate_matches_a_hand_computation(tmp_path):
 def test_batched_windows_equal_one_window_at_a_time(tmp_path, family):
     tokenizer = load_tokenizer("")
     model = trained_like(family, vocab_size=tokenizer.vocab_size)
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 3), encoding="utf-8")
+    data = write_jsonl(tmp_path, DOCS * 3)
     progress = io.StringIO()
-    batched = evaluate(model, tokenizer, str(data), seq_len=9, batch_size=4, progress_out=progress)
-    single = evaluate(model, tokenizer, str(data), seq_len=9, batch_size=1)
+    batched = evaluate(model, tokenizer, data, seq_len=9, batch_size=4, progress_out=progress)
+    single = evaluate(model, tokenizer, data, seq_len=9, batch_size=1)
     assert batched["tokens"] == single["tokens"] and batched["tokens"] % 9
     assert batched["loss"] == pytest.approx(single["loss"], rel=1e-6)
     stream = [tokenizer.eod_id]
@@ -118,12 +123,11 @@ def test_command_line_evaluates_a_trained_checkpoint(tmp_path, capsys):
     Trainer(tiny_config(tmp_path / "run", training={"steps": 2, "seq_len": 16},
                         checkpoint={"enable": True, "interval": 2})).train()
     capsys.readouterr()  # the trainer's log
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
-    assert main(["--model", str(tmp_path / "run"), "--data", str(data), "--seq-len", "8",
+    data = write_jsonl(tmp_path, DOCS)
+    assert main(["--model", str(tmp_path / "run"), "--data", data, "--seq-len", "8",
                  "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     model = load_model(str(tmp_path / "run"))[0].float().eval()
-    m = evaluate(model, load_tokenizer(""), str(data), seq_len=8)
+    m = evaluate(model, load_tokenizer(""), data, seq_len=8)
     assert printed.startswith(f"loss {m['loss']:.4f} nats/token | perplexity {m['perplexity']:.3f} | "
                               f"bits per byte {m['bits_per_byte']:.4f}")

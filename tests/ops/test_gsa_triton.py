@@ -328,3 +328,29 @@ def test_gpu_varlen_gqa_fp32():
     inputs = varlen_state(gsa_inputs(T=sum(lengths), H=2, HQ=4, K=64, V=96, M=32, decay="strong"), len(lengths))
     for op in OPS.values():
         check_against_naive(op, inputs, cu_seqlens=cu)
+
+
+def test_inference_stores_no_slot_scores():
+    """Without autograd (eval, prefill) the fixed-length custom op returns an empty z (only the
+    backward reads the slot scores), and the output and final states equal the training forward's,
+    bitwise, on the custom op and on the varlen path."""
+    inputs = gsa_inputs(B=2, T=40)
+    args = dict(scale=0.5, output_final_state=True)
+    o, (hk, hv) = chunk_gsa_triton(**inputs, **args)
+    with torch.no_grad():
+        o_ng, (hk_ng, hv_ng) = chunk_gsa_triton(**inputs, **args)
+        q, k, v, s, g = (inputs[n] for n in "qkvsg")
+        hk0, hv0 = inputs["initial_state"]
+        outs = torch.ops.flame.chunk_gsa_fwd(q, k, v, s, g, hk0, hv0, 0.5, True, 64, False)
+        assert outs[3].numel() == 0 and outs[4].shape == (*q.shape[:3], s.shape[-1])
+    for got, expected in ((o_ng, o), (hk_ng, hk), (hv_ng, hv)):
+        assert torch.equal(got, expected.detach())
+
+    lengths = [7, 33]
+    cu = make_cu_seqlens(lengths, device=DEVICE)
+    packed = varlen_state(gsa_inputs(T=sum(lengths)), len(lengths))
+    o, (hk, hv) = chunk_gsa_triton(**packed, **args, cu_seqlens=cu)
+    with torch.no_grad():
+        o_ng, (hk_ng, hv_ng) = chunk_gsa_triton(**packed, **args, cu_seqlens=cu)
+    for got, expected in ((o_ng, o), (hk_ng, hk), (hv_ng, hv)):
+        assert torch.equal(got, expected.detach())

@@ -126,8 +126,9 @@ def _column_gated_read_t(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr
 @triton.jit
 def _slots_fwd_kernel(q, k, s, gc, h, z, p, cu_seqlens, chunk_indices, scale,
                       H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
-    """Slot scores z of one chunk and head, and p = softmax(z) over the slots (fp32, max-stabilised)."""
+                      BK: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr, STORE_Z: tl.constexpr):
+    """Slot scores z of one chunk and head, and p = softmax(z) over the slots (fp32, max-stabilised);
+    z is stored only with STORE_Z (the backward reads it)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
@@ -151,7 +152,8 @@ def _slots_fwd_kernel(q, k, s, gc, h, z, p, cu_seqlens, chunk_indices, scale,
 
     off = ((t0 + rows)[:, None] * H + i_h) * M + cm[None, :]
     m = m_t[:, None] & m_m[None, :]
-    tl.store(z + off, Z, mask=m)
+    if STORE_Z:
+        tl.store(z + off, Z, mask=m)
     Zm = tl.where(m_m[None, :], Z, float("-inf"))
     E = tl.exp(Zm - tl.max(Zm, axis=1)[:, None])
     E = tl.where(m_m[None, :], E, 0.0)
@@ -254,17 +256,18 @@ def _slot_dot_dtype(M: int, DT):
     return tl.float32 if M <= _SLOT_FP32_MAX_M else DT
 
 
-def slots_fwd(q, k, s, gc, hk, layout, scale, DT):
-    """z and p [B, T, H, M] fp32 from the per-chunk transposed key states hk [num_chunks, H, M, K]."""
+def slots_fwd(q, k, s, gc, hk, layout, scale, DT, keep_scores=True):
+    """z and p [B, T, H, M] fp32 from the per-chunk transposed key states hk [num_chunks, H, M, K];
+    z is None without keep_scores (only the backward reads it)."""
     B, T, H, K = q.shape
     M = s.shape[-1]
     BK, BM = _slot_blocks(K, M)
-    z = torch.empty(B, T, H, M, device=q.device, dtype=torch.float32)
-    p = torch.empty_like(z)
+    p = torch.empty(B, T, H, M, device=q.device, dtype=torch.float32)
+    z = torch.empty_like(p) if keep_scores else None
     _slots_fwd_kernel[(layout.num_chunks, H)](
-        q, k, s, gc, hk, z, p, layout.cu_seqlens, layout.chunk_indices, scale,
-        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=_slot_dot_dtype(M, DT), num_warps=_SLOT_WARPS,
-        num_stages=_SLOT_STAGES)
+        q, k, s, gc, hk, z if keep_scores else p, p, layout.cu_seqlens, layout.chunk_indices, scale,
+        H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=_slot_dot_dtype(M, DT), STORE_Z=keep_scores,
+        num_warps=_SLOT_WARPS, num_stages=_SLOT_STAGES)
     return z, p
 
 
@@ -305,10 +308,12 @@ def _first_of_group(dht, NG):
     return out
 
 
-def _forward(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, chunk_size, recompute_level):
+def _forward(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, chunk_size, recompute_level,
+             need_grad=True):
     """o, the final state pair (hk [N, H, K, M], hv [N, H, M, V] fp32, or None, None) and what the backward
     reads: (hk0^T and hv0 repeated over the query groups, z, p, then the cumsum and the per-chunk states
-    as the recompute level keeps them, else None)."""
+    as the recompute level keeps them, else None). Without need_grad the slot scores z are not
+    stored (None)."""
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[-1], s.shape[-1]
     NG = HQ // H
@@ -320,7 +325,7 @@ def _forward(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, chu
     gc = chunk_local_cumsum(g_, layout)
     hk, hkT = chunk_state_fwd(s_, k_, gc, layout, hk0T, output_final_state, DT)
     hv, hvT = chunk_state_fwd(s_, v_, gc, layout, hv0_, output_final_state, DT)
-    z, p = slots_fwd(q, k_, s_, gc, hk, layout, scale, DT)
+    z, p = slots_fwd(q, k_, s_, gc, hk, layout, scale, DT, keep_scores=need_grad)
     BM, _ = block_sizes(M, V)
     A = _value_intra(p, s_, gc, layout, DT, BM)
     o = chunk_output(p, v_, gc, hv, A, layout, 1.0, False, DT, BM, _value_block(V))
@@ -378,8 +383,9 @@ class ChunkGSAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, chunk_size, recompute_level):
+        need_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 4, 6, 7))
         o, hkT, hvT, saved = _forward(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, chunk_size,
-                                      recompute_level)
+                                      recompute_level, need_grad)
         ctx.save_for_backward(q, k, v, s, g, *saved)
         ctx.meta = (scale, cu_seqlens, chunk_size)
         return o, hkT, hvT
@@ -395,8 +401,8 @@ class ChunkGSAFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------
 # custom ops: what torch.compile sees for fixed-length calls at the default recompute level (one
 # opaque node each way, so Inductor fuses the glue on both sides and the block stays one graph). The
-# forward returns the slot scores z and probabilities p, which the backward reads; every shape follows
-# from the inputs' shapes.
+# forward returns the slot scores z and probabilities p, which the backward reads (z comes back empty
+# without need_grad: inference stores no scores); every shape follows from the inputs' shapes.
 # ------------------------------------------------------------------------------------------------
 
 _EMPTY = (0,)
@@ -409,22 +415,22 @@ def _or_empty(x, like):
 @torch.library.custom_op("flame::chunk_gsa_fwd", mutates_args=())
 def _chunk_gsa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
                       hk0: torch.Tensor | None, hv0: torch.Tensor | None, scale: float, output_final_state: bool,
-                      chunk_size: int
+                      chunk_size: int, need_grad: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     o, hkT, hvT, (_, _, z, p, _, _, _) = _forward(q, k, v, s, g, scale, hk0, hv0, output_final_state, None,
-                                                  chunk_size, 2)
-    return o, _or_empty(hkT, q), _or_empty(hvT, q), z, p
+                                                  chunk_size, 2, need_grad)
+    return o, _or_empty(hkT, q), _or_empty(hvT, q), _or_empty(z, q), p
 
 
 @_chunk_gsa_fwd_op.register_fake
-def _(q, k, v, s, g, hk0, hv0, scale, output_final_state, chunk_size):
+def _(q, k, v, s, g, hk0, hv0, scale, output_final_state, chunk_size, need_grad=True):
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[-1], s.shape[-1]
     N = B if output_final_state else 0
     f32 = dict(dtype=torch.float32)
     return (q.new_empty((B, T, HQ, V)), q.new_empty((B, H, K, M) if N else _EMPTY, **f32),
-            q.new_empty((B, H, M, V) if N else _EMPTY, **f32), q.new_empty((B, T, HQ, M), **f32),
-            q.new_empty((B, T, HQ, M), **f32))
+            q.new_empty((B, H, M, V) if N else _EMPTY, **f32),
+            q.new_empty((B, T, HQ, M) if need_grad else _EMPTY, **f32), q.new_empty((B, T, HQ, M), **f32))
 
 
 @torch.library.custom_op("flame::chunk_gsa_bwd", mutates_args=())
@@ -450,7 +456,7 @@ def _(q, k, v, s, g, hk0, hv0, z, p, do, dhk, dhv, scale, chunk_size):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, s, g, hk0, hv0, scale, output_final_state, chunk_size = inputs
+    q, k, v, s, g, hk0, hv0, scale, output_final_state, chunk_size, _ = inputs
     ctx.save_for_backward(q, k, v, s, g, hk0, hv0, output[3], output[4])
     ctx.scale, ctx.chunk_size, ctx.output_final_state = scale, chunk_size, output_final_state
 
@@ -462,7 +468,7 @@ def _backward_op(ctx, do, dhk, dhv, dz, dp):
         q, k, v, s, g, hk0, hv0, z, p, do, dhk if final else None, dhv if final else None, ctx.scale,
         ctx.chunk_size)
     has_h0 = hk0 is not None
-    return dq, dk, dv, ds, dg, (dhk0 if has_h0 else None), (dhv0 if has_h0 else None), None, None, None
+    return dq, dk, dv, ds, dg, (dhk0 if has_h0 else None), (dhv0 if has_h0 else None), None, None, None, None
 
 
 _chunk_gsa_fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
@@ -484,9 +490,11 @@ def chunk_gsa_triton(q, k, v, s, g, scale=1.0, initial_state=None, output_final_
         raise ValueError("initial_state must be the pair (hk, hv), both tensors or both None")
     q, k, v, s, g = (x.contiguous() for x in (q, k, v, s, g))
     if cu_seqlens is None and recompute_level == 2:
+        need_grad = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, s, g, hk0, hv0))
         hk0, hv0 = (None, None) if hk0 is None else (hk0.float().contiguous(), hv0.float().contiguous())
         o, hkT, hvT, _, _ = torch.ops.flame.chunk_gsa_fwd(q, k, v, s, g, hk0, hv0, float(scale),
-                                                          bool(output_final_state), chunk_size)
+                                                          bool(output_final_state), chunk_size, need_grad)
     else:
         o, hkT, hvT = run_eager(ChunkGSAFunction.apply, q, k, v, s, g, float(scale), hk0, hv0,
                                 bool(output_final_state), cu_seqlens, chunk_size, recompute_level)

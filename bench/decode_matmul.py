@@ -17,17 +17,45 @@ Cases (what one sub-layer of a decoding step launches):
 
 Times are medians of `triton.testing.do_bench` (microseconds per call, one call = the whole case);
 `ratio` = fused / composition (< 1: the fused launches are faster).
+
+Sweep of the kernel's launch configurations (`--sweep`), what decode_matmul_tuning.TABLE holds:
+
+    python -m bench.decode_matmul --sweep --out sweep.json \
+        --emit-table flame/ops/decode_matmul/decode_matmul_tuning.py --steps 1,64
+
+For every batch size of --sweep-batch-sizes and every distinct (N, K) that one decoding step of a
+340M model of --families launches (recorded from `CausalLM.decode_step`: one eager step per
+family and batch size with the launches' arguments kept), it times candidate configurations of
+the plain kernel (stacked input, no prologue or epilogue, so that one compiled kernel serves every
+shape): first the block sizes (the broadcast-and-sum GEMV up to 16 rows, tl.dot tiles from 2 rows,
+4 warps, 2 stages), then warps 2/4/8 x stages 1-4 around the best; the --refine-top best are timed
+on the recorded launch itself (its prologue and epilogue) and the fastest is the shape's entry.
+Next to it: cuBLAS F.linear of the same product. Every time is a CUDA graph of launches that read
+--weight-copies of the weight in turn (enough that they do not stay in L2, as in a decoding step,
+where each launch reads another weight), microseconds per launch, the median of a few replays.
+Candidates compile in parallel (--jobs threads, Triton's AsyncCompileMode) before they are timed.
+--steps times the whole decoding step (CUDA graph replay, tokens/s) at those batch sizes with the
+shipped table and, after a sweep, with the swept one. --emit-table writes the table module; the
+table also prints, ready to paste.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from bench.timing import require_cuda
 from flame.ops.decode_matmul import Segment, decode_matmul
+from flame.ops.decode_matmul import decode_matmul_triton as kernel_module
+from flame.ops.decode_matmul.decode_matmul import decode_matmul_torch
 from flame.ops.norm_mix import norm_mix
 from flame.ops.squared_relu import squared_relu
 
@@ -122,11 +150,344 @@ CASES = {"rwkv7_in": case_rwkv7_in, "lora_out": case_lora_out, "ffn": case_ffn, 
          "gemv_1024x4096": gemv_case(1024, 4096)}
 
 
+# ---- sweep of the launch configurations ------------------------------------------------------
+
+FAMILIES = ("rwkv7", "rwkv6", "gsa")
+SWEEP_BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
+L2_DEFEAT_BYTES = 160 * 2**20  # the weight copies of one timing together: several times an H100's L2
+
+
+def build_model(family: str, device, tiny: bool):
+    """The 340M model of `family` (bench.generate's configs; --tiny: its CPU smoke size), random
+    init, bf16 on CUDA, fp32 on CPU with the Triton backend (the interpreter)."""
+    import dataclasses
+
+    from bench.generate import model_args
+    from flame.models import build_model as build
+
+    args = model_args(family, tiny)
+    if device.type != "cuda":
+        args = dataclasses.replace(args, backend="triton")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build(args)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+
+
+def record_launches(models: dict, B: int) -> dict:
+    """{(N, K): (families, args)}: the decode_matmul launches of one decoding step of each model at
+    B rows, the first launch of each (N, K) with its arguments (decode_matmul_triton's positional
+    ones); the step itself runs through the PyTorch form."""
+    from flame.models.decoder import Decoder
+
+    launches: dict = {}
+    family = None
+
+    def record(*args):
+        N, K = sum(seg.width for seg in args[2]), args[0].shape[-1]
+        families, _ = launches.setdefault((N, K), ([], args))
+        if family not in families:
+            families.append(family)
+        return decode_matmul_torch(*args)
+
+    real = kernel_module.decode_matmul_triton
+    kernel_module.decode_matmul_triton = record
+    try:
+        for family, model in models.items():
+            with torch.no_grad():
+                Decoder(model, B, graph=False).step()
+    finally:
+        kernel_module.decode_matmul_triton = real
+    return launches
+
+
+def config(dot, bb, bn, bk, warps=4, stages=2) -> dict:
+    return dict(DOT=dot, BB=bb, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+
+
+def block_candidates(B: int, N: int, K: int) -> list[dict]:
+    """First round: block sizes. The GEMV up to 16 rows (BB the rows' power of two, BN 8-64,
+    BK 64-512, at most 16K products per step), tl.dot from 2 rows (BB 16-64 but at most one
+    padded power of two, BN 16-128, BK 64-256, at most 64 KB of operands per stage)."""
+    pow2 = triton.next_power_of_2
+    rows, cols, bk_max = pow2(B), max(8, pow2(N)), max(16, pow2(K))
+    found = []
+    if B <= 16:
+        for bn in (8, 16, 32, 64):
+            for bk in (64, 128, 256, 512):
+                if bn <= cols and 1024 <= rows * bn * bk <= 16384:
+                    found.append(config(False, rows, bn, min(bk, bk_max)))
+    if B >= 2:
+        for bb in (16, 32, 64):
+            for bn in (16, 32, 64, 128):
+                for bk in (64, 128, 256):
+                    if bb <= max(16, rows) and bn <= max(16, cols) and bb * bn <= 8192 \
+                            and (bb + bn) * bk * 2 <= 65536:
+                        found.append(config(True, bb, bn, max(16, min(bk, bk_max))))
+    unique = []
+    for cfg in found:
+        if cfg not in unique:
+            unique.append(cfg)
+    return unique
+
+
+def launch_candidates(best: dict) -> list[dict]:
+    """Second round: warps 2/4/8 x stages 1-4 around the best block sizes."""
+    return [{**best, "num_warps": w, "num_stages": st} for w in (2, 4, 8) for st in (1, 2, 3, 4)
+            if (w, st) != (best["num_warps"], best["num_stages"])]
+
+
+def plain_args(B: int, N: int, K: int, device) -> tuple:
+    """decode_matmul_triton's arguments of the plain product x [1, B, K] @ W [N, K]^T."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(1, B, K, device=device, dtype=dtype)
+    return (x, _w(N, K, device=device).to(dtype), (Segment(N),), None, None, None, 1e-5, False, None, None, None,
+            None, None, None, None)
+
+
+def weight_copies(args: tuple, max_copies: int) -> list[tuple]:
+    """`args` with distinct copies of the weight (the first is the original), enough to read
+    L2_DEFEAT_BYTES in all, at most `max_copies`."""
+    weight = args[1]
+    copies = max(1, min(max_copies, math.ceil(L2_DEFEAT_BYTES / (weight.numel() * weight.element_size()))))
+    return [args] + [(args[0], args[1].clone(), *args[2:]) for _ in range(copies - 1)]
+
+
+def time_launches(launches: list, device, reps: int = 5) -> float:
+    """Microseconds per launch of the callables `launches`, run in turn: on CUDA a graph of
+    (about 128 launches) replayed `reps` times, the median; on CPU (the interpreter, a smoke run)
+    the wall time of one pass."""
+    for launch in launches:
+        launch()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for launch in launches:
+            launch()
+        return (time.perf_counter() - start) * 1e6 / len(launches)
+    rounds = max(1, 128 // len(launches))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for launch in launches:
+                launch()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (rounds * len(launches)))
+    del graph
+    return statistics.median(times)
+
+
+def time_config(arg_sets: list[tuple], cfg: dict, device) -> float:
+    """Microseconds per launch of the kernel with `cfg` over the argument sets; inf when the
+    configuration does not launch (out of shared memory or registers)."""
+    try:
+        return time_launches([lambda a=a: kernel_module.decode_matmul_triton(*a, config=cfg) for a in arg_sets],
+                             device)
+    except Exception as exc:  # a configuration the GPU cannot run
+        print(f"  skipped {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", flush=True)
+        return math.inf
+
+
+def compile_all(jobs: list[tuple[tuple, dict]], threads: int, device) -> None:
+    """Compile the kernel for every (args, config) of `jobs` without running it, on `threads`
+    threads (Triton's AsyncCompileMode; sequentially without it or under the interpreter)."""
+    if device.type != "cuda" or not jobs:
+        return
+    warm = lambda args, cfg: kernel_module.decode_matmul_triton(*args, config=cfg, warmup=True)  # noqa: E731
+    async_mode = getattr(triton, "AsyncCompileMode", None)
+    if async_mode is None or threads <= 1:
+        for args, cfg in jobs:
+            try:
+                warm(args, cfg)
+            except Exception:  # reported when the configuration is timed
+                pass
+        return
+    with ThreadPoolExecutor(threads) as pool, async_mode(pool, ignore_errors=True):
+        for args, cfg in jobs:
+            warm(args, cfg)
+
+
+def sweep(models: dict, batch_sizes: list[int], device, threads: int, refine_top: int, max_copies: int) -> list[dict]:
+    """One row per (B, N, K): the best configuration, its time on the plain and on the recorded
+    launch, cuBLAS F.linear's time, the weight's bytes (module docstring)."""
+    rows = []
+    begin = time.perf_counter()
+    for B in batch_sizes:
+        launches = record_launches(models, B)
+        shapes = sorted(launches)
+        sets = {}
+        for N, K in shapes:
+            sets[N, K] = weight_copies(plain_args(B, N, K, device), max_copies)
+        first = {shape: block_candidates(B, *shape) for shape in shapes}
+        compile_all([(sets[s][0], cfg) for s in shapes for cfg in first[s]], threads, device)
+        timed = {s: [(time_config(sets[s], cfg, device), cfg) for cfg in first[s]] for s in shapes}
+        second = {s: launch_candidates(min(timed[s], key=lambda tc: tc[0])[1]) for s in shapes}
+        compile_all([(sets[s][0], cfg) for s in shapes for cfg in second[s]], threads, device)
+        for s in shapes:
+            timed[s] += [(time_config(sets[s], cfg, device), cfg) for cfg in second[s]]
+            timed[s].sort(key=lambda tc: tc[0])
+        real = {}
+        for s in shapes:
+            real[s] = weight_copies(launches[s][1], max_copies)
+        top = {s: [cfg for _, cfg in timed[s][:max(1, refine_top)]] for s in shapes}
+        compile_all([(real[s][0], cfg) for s in shapes for cfg in top[s]], threads, device)
+        for N, K in shapes:
+            s = (N, K)
+            fused, cfg = min((time_config(real[s], c, device), c) for c in top[s]) if len(top[s]) > 1 else \
+                (time_config(real[s], top[s][0], device), top[s][0])
+            x = sets[s][0][0][0]
+            cublas = time_launches([lambda a=a: F.linear(x, a[1]) for a in sets[s]], device)
+            weight = launches[s][1][1]
+            nbytes = weight.numel() * weight.element_size()
+            row = dict(B=B, N=N, K=K, families=launches[s][0], config=cfg, plain_us=timed[s][0][0],
+                       fused_us=fused, cublas_us=cublas, weight_bytes=nbytes,
+                       fused_gb_s=nbytes / fused / 1e3 if fused > 0 else 0.0, candidates=len(timed[s]))
+            rows.append(row)
+            print(format_row(row), flush=True)
+        print(f"# batch {B} done, {time.perf_counter() - begin:.0f} s", flush=True)
+        del launches, sets, real
+    return rows
+
+
+SWEEP_HEADER = (f"{'B':>4} {'N':>5} {'K':>5} {'dot':>4} {'BB':>3} {'BN':>4} {'BK':>4} {'w':>2} {'st':>2} "
+                f"{'plain':>7} {'fused':>7} {'cuBLAS':>7} {'GB/s':>6}  families")
+
+
+def format_row(row: dict) -> str:
+    c = row["config"]
+    return (f"{row['B']:>4} {row['N']:>5} {row['K']:>5} {'y' if c['DOT'] else 'n':>4} {c['BB']:>3} {c['BN']:>4} "
+            f"{c['BK']:>4} {c['num_warps']:>2} {c['num_stages']:>2} {row['plain_us']:>7.1f} {row['fused_us']:>7.1f} "
+            f"{row['cublas_us']:>7.1f} {row['fused_gb_s']:>6.0f}  {','.join(row['families'])}")
+
+
+def table_of(rows: list[dict]) -> dict:
+    return {(kernel_module.batch_bucket(r["B"]), r["N"], r["K"]): r["config"] for r in rows}
+
+
+def table_source(table: dict) -> str:
+    """The decode_matmul_tuning module holding `table`."""
+    doc = kernel_module_tuning_doc()
+    lines = [doc, "", "TABLE: dict[tuple[int, int, int], dict] = {"]
+    for key in sorted(table):
+        c = table[key]
+        lines.append(f"    {key}: {{\"DOT\": {c['DOT']}, \"BB\": {c['BB']}, \"BN\": {c['BN']}, \"BK\": {c['BK']}, "
+                     f"\"num_warps\": {c['num_warps']}, \"num_stages\": {c['num_stages']}}},")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def kernel_module_tuning_doc() -> str:
+    from flame.ops.decode_matmul import decode_matmul_tuning
+
+    return '"""' + decode_matmul_tuning.__doc__ + '"""'
+
+
+def install_table(table: dict) -> None:
+    """Make `block_sizes` read `table` in this process (checked as the shipped one is)."""
+    kernel_module.check_table(table)
+    kernel_module.TABLE = table
+    kernel_module._checked_table.cache_clear()
+
+
+def step_rates(models: dict, batch_sizes: list[int], device, steps: int = 50) -> dict:
+    """{(family, B): (ms per step, tokens/s)} of the whole decoding step replayed as a CUDA graph
+    (flame.models.decoder.Decoder) with the table `block_sizes` reads now."""
+    from flame.models.decoder import Decoder
+
+    rates = {}
+    for family, model in models.items():
+        for B in batch_sizes:
+            decoder = Decoder(model, B)
+            for _ in range(3):
+                decoder.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                decoder.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - start) * 1e3 / steps
+            rates[family, B] = (ms, B * 1e3 / ms)
+            del decoder
+    return rates
+
+
+def run_sweep(args) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.tiny:
+        raise SystemExit("bench.decode_matmul --sweep times GPU kernels and needs a CUDA GPU; "
+                         "on CPU only --tiny runs (a smoke run through the interpreter)")
+    families = args.families.split(",")
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        raise SystemExit(f"--families: unknown {sorted(unknown)}; expected some of {FAMILIES}")
+    models = {family: build_model(family, device, args.tiny) for family in families}
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
+    print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"microseconds per launch, CUDA graph of launches over weight copies (median)", flush=True)
+    steps = [int(b) for b in args.steps.split(",")] if args.steps else []
+    before = step_rates(models, steps, device) if steps else {}
+    result = {"device": name, "torch": torch.__version__, "triton": triton.__version__}
+    if args.sweep:
+        begin = time.perf_counter()
+        print(SWEEP_HEADER, flush=True)
+        rows = sweep(models, [int(b) for b in args.sweep_batch_sizes.split(",")], device, args.jobs, args.refine_top,
+                     args.weight_copies)
+        table = table_of(rows)
+        source = table_source(table)
+        print(f"# sweep: {time.perf_counter() - begin:.0f} s; the table (decode_matmul_tuning.py):\n{source}")
+        result.update(rows=rows, table=[[list(k), v] for k, v in sorted(table.items())])
+        if args.emit_table:
+            with open(args.emit_table, "w") as f:
+                f.write(source)
+            print(f"# wrote {args.emit_table}")
+        install_table(table)
+    after = step_rates(models, steps, device) if steps and args.sweep else {}
+    if steps:
+        swept = f" {'swept ms':>9} {'tok/s':>9}" if after else ""
+        print(f"{'family':<7} {'B':>4} {'shipped ms':>11} {'tok/s':>9}{swept}")
+        for key, (ms, rate) in before.items():
+            line = f"{key[0]:<7} {key[1]:>4} {ms:>11.3f} {rate:>9.0f}"
+            if after:
+                line += f" {after[key][0]:>9.3f} {after[key][1]:>9.0f}"
+            print(line)
+        result["steps"] = [dict(family=f, B=b, shipped_ms=before[f, b][0], shipped_tok_s=before[f, b][1],
+                                **({"swept_ms": after[f, b][0], "swept_tok_s": after[f, b][1]} if after else {}))
+                           for f, b in before]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--sweep", action="store_true", help="sweep the launch configurations (module docstring)")
+    parser.add_argument("--sweep-batch-sizes", default=SWEEP_BATCH_SIZES)
+    parser.add_argument("--families", default=",".join(FAMILIES), help="the 340M models whose launches are swept")
+    parser.add_argument("--steps", default="", help="batch sizes at which to time the whole decoding step")
+    parser.add_argument("--refine-top", type=int, default=1,
+                        help="how many of the best plain-kernel configurations to time on the recorded launch")
+    parser.add_argument("--weight-copies", type=int, default=32, help="at most this many weight copies per timing")
+    parser.add_argument("--jobs", type=int, default=16, help="threads that compile the candidates")
+    parser.add_argument("--out", help="write the sweep's rows, table and step times as JSON")
+    parser.add_argument("--emit-table", help="write the swept table as the decode_matmul_tuning module to this file")
+    parser.add_argument("--tiny", action="store_true", help="the tiny models (a CPU smoke run of --sweep)")
     args = parser.parse_args(argv)
+    if args.sweep or args.steps:
+        run_sweep(args)
+        return
     require_cuda("bench.decode_matmul")
     from triton.testing import do_bench
 

@@ -11,12 +11,15 @@ applies the activation, the residual add and the commit copy of the tile's colum
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..backend import triton_interpreter_enabled
 from .decode_matmul import ACTIVATIONS
+from .decode_matmul_tuning import TABLE
 
 TILE_FIELDS = 6  # first output column, segment end, first weight row, source, activation code, up-rows offset
 _TILE_TABLES: dict[tuple, torch.Tensor] = {}
@@ -39,17 +42,94 @@ def tile_table(segments, block_n: int, device: torch.device) -> torch.Tensor:
     return table
 
 
-def block_sizes(B: int, N: int, K: int) -> dict:
-    """Block sizes and launch options by shape: below 9 rows a GEMV (narrow column tiles, enough of
-    them to spread the weight read over the SMs, long K blocks); from 9 rows tl.dot tiles of up to
-    64 rows."""
+CONFIG_KEYS = ("DOT", "BB", "BN", "BK", "num_warps", "num_stages")
+"""A launch configuration: the tl.dot path or the broadcast-and-sum, the block of rows (BB), of
+output columns (BN) and of K (BK), and Triton's warps and software-pipelining stages."""
+
+
+def check_config(config, where: str = "decode_matmul config") -> dict:
+    """`config` as a dict of CONFIG_KEYS, or a ValueError naming what is wrong with it: block sizes
+    are powers of two, the tl.dot path needs blocks of at least 16 (its smallest tile)."""
+    if not isinstance(config, dict) or set(config) != set(CONFIG_KEYS):
+        raise ValueError(f"{where}: a launch configuration is a dict of exactly {CONFIG_KEYS}, got {config!r}")
+    for key in ("BB", "BN", "BK"):
+        value = config[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1) \
+                or value > 1024:
+            raise ValueError(f"{where}: {key} must be a power of two in [1, 1024], got {value!r}")
+    if not isinstance(config["DOT"], bool):
+        raise ValueError(f"{where}: DOT must be True or False, got {config['DOT']!r}")
+    if config["DOT"] and min(config["BB"], config["BN"], config["BK"]) < 16:
+        raise ValueError(f"{where}: the tl.dot path needs BB, BN and BK >= 16, got {config!r}")
+    if config["num_warps"] not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{where}: num_warps must be 1, 2, 4, 8 or 16, got {config['num_warps']!r}")
+    if not isinstance(config["num_stages"], int) or not 1 <= config["num_stages"] <= 8:
+        raise ValueError(f"{where}: num_stages must be an int in [1, 8], got {config['num_stages']!r}")
+    return dict(config)
+
+
+def batch_bucket(B: int) -> int:
+    """The table's batch key of B rows: the next power of two."""
+    return triton.next_power_of_2(B)
+
+
+def check_table(table) -> dict:
+    """The tuning table {(batch bucket, N, K): config} checked entry by entry (a ValueError names
+    the first bad one): keys are three positive ints with a power-of-two bucket, values pass
+    `check_config`."""
+    if not isinstance(table, dict):
+        raise ValueError(f"decode_matmul tuning table must be a dict, got {type(table).__name__}")
+    checked = {}
+    for key, config in table.items():
+        if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(v, int) and v >= 1 for v in key)
+                and batch_bucket(key[0]) == key[0]):
+            raise ValueError(f"decode_matmul tuning table: a key is (batch bucket, N, K), three positive ints with "
+                             f"a power-of-two bucket, got {key!r}")
+        checked[key] = check_config(config, f"decode_matmul tuning table entry {key}")
+    return checked
+
+
+@functools.cache
+def _checked_table() -> dict:
+    return check_table(TABLE)
+
+
+def fallback_config(B: int, N: int, K: int, sms: int) -> dict:
+    """A launch configuration for a shape the table lacks: enough programs (column tiles x row
+    tiles >= 2x the SMs where the blocks' lower bounds allow it) to spread the weight read over
+    the GPU. Up to 8 rows a GEMV (broadcast-and-sum over BK of 32 to 256, the larger for fewer
+    rows and columns); from 9 rows tl.dot tiles of 16 to 64 rows and columns, BK 64 or 128."""
+    target = 2 * sms
     bk_max = max(16, triton.next_power_of_2(K))
     if B <= 8:
-        bb = triton.next_power_of_2(B)
-        bn = 32 if N >= 8192 else 16 if N >= 4096 else 8
-        return dict(BB=bb, BN=bn, BK=min(bk_max, max(16, 4096 // (bb * bn))), DOT=False, num_warps=4)
-    bb = min(64, max(16, triton.next_power_of_2(B)))
-    return dict(BB=bb, BN=64 if N >= 8192 else 32, BK=min(bk_max, 64), DOT=True, num_warps=4)
+        bb, bn = triton.next_power_of_2(B), 64
+        while bn > 8 and triton.cdiv(N, bn) < target:
+            bn //= 2
+        bk = min(bk_max, max(32, min(256, 8192 // (bb * bn))))
+        return dict(DOT=False, BB=bb, BN=bn, BK=bk, num_warps=4, num_stages=3)
+    bb, bn = min(64, triton.next_power_of_2(B)), 64
+    while triton.cdiv(N, bn) * triton.cdiv(B, bb) < target and max(bb, bn) > 16:
+        if bn >= bb:
+            bn //= 2
+        else:
+            bb //= 2
+    bk = min(bk_max, 64 if bb * bn >= 2048 else 128)
+    return dict(DOT=True, BB=bb, BN=bn, BK=max(16, bk), num_warps=4, num_stages=3)
+
+
+def block_sizes(B: int, N: int, K: int, sms: int = 132, table: dict | None = None) -> dict:
+    """The launch configuration of B rows, N output columns and K inputs: the tuning table's entry
+    for (batch bucket, N, K) (`table`, checked, or flame's decode_matmul_tuning.TABLE), else
+    `fallback_config` for a GPU of `sms` SMs."""
+    config = (_checked_table() if table is None else check_table(table)).get((batch_bucket(B), N, K))
+    return dict(config) if config is not None else fallback_config(B, N, K, sms)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 @triton.jit
@@ -171,26 +251,34 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
 
 
 def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out,
-                         residual, residual_gate, commit):
-    """Inputs are already checked (flame.ops.decode_matmul)."""
+                         residual, residual_gate, commit, config: dict | None = None, warmup: bool = False):
+    """Inputs are already checked (flame.ops.decode_matmul). `config`: a launch configuration
+    (CONFIG_KEYS) in place of `block_sizes`'s; `warmup`: compile the kernel for these arguments
+    without running it (bench.decode_matmul's sweep compiles its candidates in parallel)."""
     B, K = x.shape[-2:]
     N = sum(seg.width for seg in segments)
-    blocks = block_sizes(B, N, K)
+    blocks = block_sizes(B, N, K, _sm_count(x.device)) if config is None else check_config(config)
     tiles = tile_table(segments, blocks["BN"], x.device)
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
     glu = segments[0].act == "swiglu"
     dot_f32 = triton_interpreter_enabled() or x.dtype != torch.bfloat16 and x.dtype != torch.float16
     src, dst = commit if commit is not None else (None, None)
     grid = (tiles.shape[0], triton.cdiv(B, blocks["BB"]))
-    _decode_matmul_kernel[grid](
+    args = (
         x, x.stride(0) if norm is None else 0, x.stride(-2), weight, tiles, out, N, B, K,
         norm_weight if norm else None, norm_bias if norm == "layer" else None, eps, previous,
         None if mu is None else mu.contiguous(), mix,
         mix.stride(0) if mix is not None else 0, mix.stride(1) if mix is not None else 0, h_out,
         residual, residual_gate, residual_gate.stride(0) if residual_gate is not None else 0, src, dst,
+    )
+    options = dict(
         NORM=0 if norm is None else 1 if norm == "layer" else 2, SILU=bool(silu), LERP=mu is not None,
         MIX=mix is not None, WRITE_H=h_out is not None, RESID=residual is not None, GATE=residual_gate is not None,
         COMMIT=commit is not None, GLU=glu, DOT=blocks["DOT"], DOT_F32=dot_f32, BB=blocks["BB"], BN=blocks["BN"],
-        BK=blocks["BK"], num_warps=blocks["num_warps"],
+        BK=blocks["BK"], num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
     )
+    if warmup:
+        _decode_matmul_kernel.warmup(*args, grid=grid, **options)
+    else:
+        _decode_matmul_kernel[grid](*args, **options)
     return out

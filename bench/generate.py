@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -140,7 +141,12 @@ def model_name(family: str, args) -> str:
 
 
 def decode_row(family, lib, batch, args, prefill_s, total_s, device, **extra) -> dict:
-    decode_s = max(total_s - prefill_s, 1e-9)
+    """Decode tokens/s from the time of a whole generation minus that of its first token; nan when
+    the difference is within the noise of the two timings (too few new tokens to time)."""
+    decode_s = total_s - prefill_s
+    if decode_s <= 0:
+        decode_s = math.nan
+        extra["note"] = (extra.get("note", "") + " decode time within timing noise: raise --new-tokens").strip()
     return {"family": family, "model": model_name(family, args), "lib": lib, "kind": "decode", "batch": batch,
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "prefill_ms": prefill_s * 1e3,

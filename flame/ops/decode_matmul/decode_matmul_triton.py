@@ -152,6 +152,76 @@ def _accumulate(acc, b_a, b_w, DOT: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _row_statistics(x, rows, s_xb, m_b, K, eps, NORM: tl.constexpr, SILU: tl.constexpr, BB: tl.constexpr,
+                    BK: tl.constexpr):
+    """The norm's mean and 1/std of a block of rows of x (of silu(x) with SILU), walking K; RMSNorm's
+    mean is 0."""
+    b_s1 = tl.zeros([BB], dtype=tl.float32)
+    b_s2 = tl.zeros([BB], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_bk = m_b[:, None] & (o_k < K)[None, :]
+        b_x = tl.load(x + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0).to(tl.float32)
+        if SILU:
+            b_x = b_x * tl.sigmoid(b_x)
+        b_s1 += tl.sum(b_x, 1)
+        b_s2 += tl.sum(b_x * b_x, 1)
+    if NORM == 1:  # LayerNorm
+        b_mean = b_s1 / K
+        b_rstd = 1 / tl.sqrt(tl.maximum(b_s2 / K - b_mean * b_mean, 0.0) + eps)
+    else:  # RMSNorm
+        b_mean = tl.zeros([BB], dtype=tl.float32)
+        b_rstd = 1 / tl.sqrt(b_s2 / K + eps)
+    return b_mean, b_rstd
+
+
+@triton.jit
+def _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, mu, mix, src, s_mp, s_mb, h_out, K,
+                  SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr, WRITE_H: tl.constexpr, write_h):
+    """A [rows, K block] block of input `src`: h = norm(x) rounded to x's dtype (stored to h_out
+    where `write_h`), then with LERP the lerp h + (prev - h) * (mu[src] + mix[src]), rounded once."""
+    b_x = tl.load(x + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0).to(tl.float32)
+    if SILU:
+        b_x = b_x * tl.sigmoid(b_x)
+    b_h = (b_x - b_mean[:, None]) * b_rstd[:, None]
+    if nw is not None:
+        b_h = b_h * tl.load(nw + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+    if nb is not None:
+        b_h = b_h + tl.load(nb + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+    b_h = b_h.to(x.dtype.element_ty)
+    if WRITE_H:
+        tl.store(h_out + rows[:, None] * K + o_k[None, :], b_h, mask=m_bk & write_h)
+    if LERP:
+        b_hf = b_h.to(tl.float32)
+        b_d = tl.load(prev + rows[:, None] * K + o_k[None, :], mask=m_bk, other=0).to(tl.float32) - b_hf
+        b_c = tl.load(mu + src * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+        if MIX:
+            b_c = b_c + tl.load(mix + src * s_mp + rows[:, None] * s_mb + o_k[None, :], mask=m_bk,
+                                other=0).to(tl.float32)
+        return (b_hf + b_d * b_c).to(x.dtype.element_ty)
+    return b_h
+
+
+@triton.jit
+def _prologue_kernel(x, s_xb, inputs, P, B, K, nw, nb, eps, prev, mu, mix, s_mp, s_mb, h_out,
+                     NORM: tl.constexpr, SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr,
+                     WRITE_H: tl.constexpr, BK: tl.constexpr):
+    """The prologue alone, one program per row: the inputs [P, B, K] that the products read."""
+    i_b = tl.program_id(0)
+    rows = tl.full([1], i_b, dtype=tl.int64)
+    m_b = rows < B
+    b_mean, b_rstd = _row_statistics(x, rows, s_xb, m_b, K, eps, NORM, SILU, 1, BK)
+    for src in range(0, P):
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < K
+            m_bk = m_b[:, None] & m_k[None, :]
+            b_a = _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, mu, mix, src, s_mp,
+                                s_mb, h_out, K, SILU, LERP, MIX, WRITE_H, src == 0)
+            tl.store(inputs + (src * B + rows[:, None]) * K + o_k[None, :], b_a, mask=m_bk)
+
+
+@triton.jit
 def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
                           nw, nb, eps, prev, mu, mix, s_mp, s_mb, h_out,
                           res, gate, s_gb, c_src, c_dst,
@@ -175,23 +245,8 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
     m_n = col0 + o_n < col_end
     p_w = w + (wrow0 + o_n).to(tl.int64)[:, None] * K
 
-    if NORM != 0:  # the row statistics
-        b_s1 = tl.zeros([BB], dtype=tl.float32)
-        b_s2 = tl.zeros([BB], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_bk = m_b[:, None] & (o_k < K)[None, :]
-            b_x = tl.load(x + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0).to(tl.float32)
-            if SILU:
-                b_x = b_x * tl.sigmoid(b_x)
-            b_s1 += tl.sum(b_x, 1)
-            b_s2 += tl.sum(b_x * b_x, 1)
-        if NORM == 1:  # LayerNorm
-            b_mean = b_s1 / K
-            b_rstd = 1 / tl.sqrt(tl.maximum(b_s2 / K - b_mean * b_mean, 0.0) + eps)
-        else:  # RMSNorm
-            b_mean = tl.zeros([BB], dtype=tl.float32)
-            b_rstd = 1 / tl.sqrt(b_s2 / K + eps)
+    if NORM != 0:
+        b_mean, b_rstd = _row_statistics(x, rows, s_xb, m_b, K, eps, NORM, SILU, BB, BK)
 
     acc = tl.zeros([BB, BN], dtype=tl.float32)
     acc_up = tl.zeros([BB, BN], dtype=tl.float32)
@@ -200,27 +255,8 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
         m_k = o_k < K
         m_bk = m_b[:, None] & m_k[None, :]
         if NORM != 0:
-            b_x = tl.load(x + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0).to(tl.float32)
-            if SILU:
-                b_x = b_x * tl.sigmoid(b_x)
-            b_h = (b_x - b_mean[:, None]) * b_rstd[:, None]
-            if nw is not None:
-                b_h = b_h * tl.load(nw + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
-            if nb is not None:
-                b_h = b_h + tl.load(nb + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
-            b_h = b_h.to(x.dtype.element_ty)
-            if WRITE_H:
-                tl.store(h_out + rows[:, None] * K + o_k[None, :], b_h, mask=m_bk & (i_n == 0))
-            if LERP:
-                b_hf = b_h.to(tl.float32)
-                b_d = tl.load(prev + rows[:, None] * K + o_k[None, :], mask=m_bk, other=0).to(tl.float32) - b_hf
-                b_c = tl.load(mu + src * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
-                if MIX:
-                    b_c = b_c + tl.load(mix + src * s_mp + rows[:, None] * s_mb + o_k[None, :], mask=m_bk,
-                                        other=0).to(tl.float32)
-                b_a = (b_hf + b_d * b_c).to(x.dtype.element_ty)
-            else:
-                b_a = b_h
+            b_a = _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, mu, mix, src, s_mp, s_mb,
+                                h_out, K, SILU, LERP, MIX, WRITE_H, i_n == 0)
         else:
             b_a = tl.load(x + src * s_xp + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0)
         m_nk = m_n[:, None] & m_k[None, :]
@@ -250,6 +286,26 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
         tl.store(c_dst + p_o, tl.load(c_src + p_o, mask=m_bn, other=0), mask=m_bn)
 
 
+SEPARATE_PROLOGUE_ROWS = 8
+"""From this many rows the norm and lerps run once in a launch of their own (`_prologue`) instead
+of in every program of the products, each of which would otherwise recompute them for all its rows
+over all of K (bench.decode_matmul --sweep shows the fused prologue's cost growing with the rows)."""
+
+
+def _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out) -> torch.Tensor:
+    """The inputs [P, B, K] of the products: the norm of x's rows and their lerps (or h alone)."""
+    B, K = x.shape
+    P = 1 if mu is None else mu.shape[0]
+    inputs = torch.empty(P, B, K, dtype=x.dtype, device=x.device)
+    _prologue_kernel[(B,)](
+        x, x.stride(0), inputs, P, B, K, norm_weight, norm_bias if norm == "layer" else None, eps, previous,
+        None if mu is None else mu.contiguous(), mix, mix.stride(0) if mix is not None else 0,
+        mix.stride(1) if mix is not None else 0, h_out, NORM=1 if norm == "layer" else 2, SILU=bool(silu),
+        LERP=mu is not None, MIX=mix is not None, WRITE_H=h_out is not None,
+        BK=min(1024, max(16, triton.next_power_of_2(K))), num_warps=4)
+    return inputs
+
+
 def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out,
                          residual, residual_gate, commit, config: dict | None = None, warmup: bool = False):
     """Inputs are already checked (flame.ops.decode_matmul). `config`: a launch configuration
@@ -257,6 +313,9 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
     without running it (bench.decode_matmul's sweep compiles its candidates in parallel)."""
     B, K = x.shape[-2:]
     N = sum(seg.width for seg in segments)
+    if norm is not None and B >= SEPARATE_PROLOGUE_ROWS and not warmup:
+        x = _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out)
+        norm = previous = mu = mix = h_out = None
     blocks = block_sizes(B, N, K, _sm_count(x.device)) if config is None else check_config(config)
     tiles = tile_table(segments, blocks["BN"], x.device)
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)

@@ -152,8 +152,8 @@ def prefill(model, prompts: torch.Tensor | list[torch.Tensor], compile=True
 
     compile (True, False or a torch.compile backend: `compiled_blocks`): a [B, T] prompt of at least
     PREFILL_SEGMENT tokens runs its whole segments through the model's compiled blocks, each segment
-    continuing the state of the one before from the zero state of the empty prefix, so that every
-    segment has the same shape and the same state arguments; the rest of the prompt, and packed
+    of the same shape: the first from no state (the chunked kernels' fastest path), each later one
+    continuing the state of the one before (a second graph); the rest of the prompt, and packed
     prompts, run eagerly."""
     if not isinstance(prompts, torch.Tensor):
         lengths = torch.tensor([0] + [p.numel() for p in prompts])
@@ -165,7 +165,6 @@ def prefill(model, prompts: torch.Tensor | list[torch.Tensor], compile=True
     if segments:
         with compiled_blocks(model, compile) as compiled:
             if compiled:
-                state = model.new_decode_state(prompts.shape[0])
                 for _ in range(segments):
                     logits, state = model.forward_with_state(prompts[:, done:done + PREFILL_SEGMENT], state,
                                                              last_only=True)

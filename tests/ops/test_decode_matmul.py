@@ -14,7 +14,7 @@ from flame.ops.backend import triton_interpreter_enabled
 from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.decode_matmul.decode_matmul import decode_matmul_torch
 from flame.ops.decode_matmul.decode_matmul_triton import (
-    block_sizes, check_table, decode_matmul_triton, fallback_config,
+    block_sizes, check_table, decode_matmul_triton, fallback_config, fit_shared_memory,
 )
 from flame.ops.decode_matmul.decode_matmul_tuning import TABLE
 from flame.ops.norm_mix import norm_mix
@@ -133,6 +133,23 @@ def test_launch_configs_equal_torch(B, cfg):
     decode_matmul_triton(*plain, res_got, t["gate"], (t["src"], dst_got), config=cfg)
     torch.testing.assert_close(res_got, res_want, **tol)
     assert torch.equal(dst_got, dst_want)
+
+
+def test_launches_are_fitted_to_shared_memory():
+    """A bf16 launch of the table on fp32 operands loses stages, then K block length, until its staged
+    tiles fit; one that fits is unchanged."""
+    tuned = config(True, 64, 16, 256, stages=4)  # 4 x (64 + 32) x 256 x 2 bytes = 192 KiB in bf16
+    h100 = 227 * 1024
+    assert fit_shared_memory(tuned, 2, h100) == tuned
+    fp32 = fit_shared_memory(tuned, 4, h100)
+    assert (fp32["num_stages"], fp32["BK"]) == (2, 256)
+    small = fit_shared_memory(tuned, 4, 99 * 1024)
+    assert (small["num_stages"], small["BK"]) == (2, 64)
+    assert small["num_stages"] * (64 + 32) * small["BK"] * 4 <= 0.9 * 99 * 1024
+    tiny = fit_shared_memory(config(True, 64, 64, 16, stages=3), 4, 16 * 1024)
+    assert (tiny["num_stages"], tiny["BK"]) == (1, 16)  # the smallest it can be
+    assert block_sizes(64, 1024, 1024, element_size=4, shared_memory=h100)["num_stages"] <= \
+        block_sizes(64, 1024, 1024)["num_stages"]
 
 
 def test_tuning_table_is_checked_and_unseen_shapes_fall_back():

@@ -117,12 +117,41 @@ def fallback_config(B: int, N: int, K: int, sms: int) -> dict:
     return dict(DOT=True, BB=bb, BN=bn, BK=max(16, bk), num_warps=4, num_stages=3)
 
 
-def block_sizes(B: int, N: int, K: int, sms: int = 132, table: dict | None = None) -> dict:
+def block_sizes(B: int, N: int, K: int, sms: int = 132, table: dict | None = None, element_size: int = 2,
+                shared_memory: int | None = None) -> dict:
     """The launch configuration of B rows, N output columns and K inputs: the tuning table's entry
     for (batch bucket, N, K) (`table`, checked, or flame's decode_matmul_tuning.TABLE), else
-    `fallback_config` for a GPU of `sms` SMs."""
+    `fallback_config` for a GPU of `sms` SMs; then fitted to `shared_memory` bytes per block
+    (`fit_shared_memory`) for operands of `element_size` bytes (the table holds bf16 launches)."""
     config = (_checked_table() if table is None else check_table(table)).get((batch_bucket(B), N, K))
-    return dict(config) if config is not None else fallback_config(B, N, K, sms)
+    config = dict(config) if config is not None else fallback_config(B, N, K, sms)
+    return config if shared_memory is None else fit_shared_memory(config, element_size, shared_memory)
+
+
+def fit_shared_memory(config: dict, element_size: int, shared_memory: int) -> dict:
+    """`config` with fewer pipelining stages, then shorter K blocks, until the staged operand tiles
+    (stages x (BB rows + 2 BN weight rows, for swiglu's up rows) x BK x element_size) fit in 90% of
+    `shared_memory` bytes: a bf16 launch of the table run on fp32 operands, or on a GPU with less
+    shared memory per block than the one it was tuned on."""
+    config = dict(config)
+    budget = 0.9 * shared_memory
+    need = lambda: config["num_stages"] * (config["BB"] + 2 * config["BN"]) * config["BK"] * element_size  # noqa: E731
+    smallest_bk = 16 if config["DOT"] else 8
+    while need() > budget and config["num_stages"] > 2:
+        config["num_stages"] -= 1
+    while need() > budget and config["BK"] > smallest_bk:
+        config["BK"] //= 2
+    while need() > budget and config["num_stages"] > 1:
+        config["num_stages"] -= 1
+    return config
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory per block with opt-in, bytes (99 KB where torch does not say)."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 99 * 1024)
+    return 227 * 1024
 
 
 @functools.cache
@@ -316,7 +345,8 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
     if norm is not None and B >= SEPARATE_PROLOGUE_ROWS and not warmup:
         x = _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out)
         norm = previous = mu = mix = h_out = None
-    blocks = block_sizes(B, N, K, _sm_count(x.device)) if config is None else check_config(config)
+    blocks = block_sizes(B, N, K, _sm_count(x.device), element_size=x.element_size(),
+                         shared_memory=_shared_memory(x.device)) if config is None else check_config(config)
     tiles = tile_table(segments, blocks["BN"], x.device)
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
     glu = segments[0].act == "swiglu"

@@ -138,11 +138,13 @@ def test_launch_configs_equal_torch(B, cfg):
 def test_launches_are_fitted_to_shared_memory():
     """A bf16 launch of the table on fp32 operands loses stages, then K block length, until its staged
     tiles fit; one that fits is unchanged."""
-    tuned = config(True, 64, 16, 256, stages=4)  # 4 x (64 + 32) x 256 x 2 bytes = 192 KiB in bf16
+    tuned = config(True, 64, 32, 256, stages=4)  # 4 x (64 + 32) x 256 x 2 bytes = 192 KiB in bf16
     h100 = 227 * 1024
     assert fit_shared_memory(tuned, 2, h100) == tuned
     fp32 = fit_shared_memory(tuned, 4, h100)
     assert (fp32["num_stages"], fp32["BK"]) == (2, 256)
+    swiglu = fit_shared_memory(tuned, 2, h100, weight_tiles=2)  # gate and up tiles: 4 x 128 x 256 x 2
+    assert (swiglu["num_stages"], swiglu["BK"]) == (3, 256)
     small = fit_shared_memory(tuned, 4, 99 * 1024)
     assert (small["num_stages"], small["BK"]) == (2, 64)
     assert small["num_stages"] * (64 + 32) * small["BK"] * 4 <= 0.9 * 99 * 1024

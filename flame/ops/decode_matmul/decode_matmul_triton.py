@@ -118,24 +118,28 @@ def fallback_config(B: int, N: int, K: int, sms: int) -> dict:
 
 
 def block_sizes(B: int, N: int, K: int, sms: int = 132, table: dict | None = None, element_size: int = 2,
-                shared_memory: int | None = None) -> dict:
+                shared_memory: int | None = None, weight_tiles: int = 1) -> dict:
     """The launch configuration of B rows, N output columns and K inputs: the tuning table's entry
     for (batch bucket, N, K) (`table`, checked, or flame's decode_matmul_tuning.TABLE), else
     `fallback_config` for a GPU of `sms` SMs; then fitted to `shared_memory` bytes per block
-    (`fit_shared_memory`) for operands of `element_size` bytes (the table holds bf16 launches)."""
+    (`fit_shared_memory`) for operands of `element_size` bytes (the table holds bf16 launches) and
+    `weight_tiles` weight tiles per K block (2 for swiglu's gate and up rows)."""
     config = (_checked_table() if table is None else check_table(table)).get((batch_bucket(B), N, K))
     config = dict(config) if config is not None else fallback_config(B, N, K, sms)
-    return config if shared_memory is None else fit_shared_memory(config, element_size, shared_memory)
+    if shared_memory is None:
+        return config
+    return fit_shared_memory(config, element_size, shared_memory, weight_tiles)
 
 
-def fit_shared_memory(config: dict, element_size: int, shared_memory: int) -> dict:
+def fit_shared_memory(config: dict, element_size: int, shared_memory: int, weight_tiles: int = 1) -> dict:
     """`config` with fewer pipelining stages, then shorter K blocks, until the staged operand tiles
-    (stages x (BB rows + 2 BN weight rows, for swiglu's up rows) x BK x element_size) fit in 90% of
+    (stages x (BB input rows + weight_tiles x BN weight rows) x BK x element_size) fit in 90% of
     `shared_memory` bytes: a bf16 launch of the table run on fp32 operands, or on a GPU with less
     shared memory per block than the one it was tuned on."""
     config = dict(config)
     budget = 0.9 * shared_memory
-    need = lambda: config["num_stages"] * (config["BB"] + 2 * config["BN"]) * config["BK"] * element_size  # noqa: E731
+    need = lambda: (config["num_stages"] * (config["BB"] + weight_tiles * config["BN"]) * config["BK"]  # noqa: E731
+                    * element_size)
     smallest_bk = 16 if config["DOT"] else 8
     while need() > budget and config["num_stages"] > 2:
         config["num_stages"] -= 1
@@ -345,11 +349,12 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
     if norm is not None and B >= SEPARATE_PROLOGUE_ROWS and not warmup:
         x = _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out)
         norm = previous = mu = mix = h_out = None
+    glu = segments[0].act == "swiglu"
     blocks = block_sizes(B, N, K, _sm_count(x.device), element_size=x.element_size(),
-                         shared_memory=_shared_memory(x.device)) if config is None else check_config(config)
+                         shared_memory=_shared_memory(x.device), weight_tiles=2 if glu else 1
+                         ) if config is None else check_config(config)
     tiles = tile_table(segments, blocks["BN"], x.device)
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
-    glu = segments[0].act == "swiglu"
     dot_f32 = triton_interpreter_enabled() or x.dtype != torch.bfloat16 and x.dtype != torch.float16
     src, dst = commit if commit is not None else (None, None)
     grid = (tiles.shape[0], triton.cdiv(B, blocks["BB"]))

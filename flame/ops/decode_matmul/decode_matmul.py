@@ -28,30 +28,13 @@ residual, residual + activation is rounded once).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from ..backend import resolve_backend
 from ..decode_checks import check_rows
 from ..norm_mix.norm_mix import NORMS, norm_mix_torch
-
-ACTIVATIONS = (None, "tanh", "sigmoid", "sqrelu", "swiglu")
-
-
-class Segment(NamedTuple):
-    """`width` output columns computed from input `source` (a row of the input stack, or a lerp)
-    with activation `act` (one of ACTIVATIONS); their weight rows are the next `width` rows of the
-    concatenated weight (2 x width for "swiglu")."""
-    width: int
-    source: int = 0
-    act: str | None = None
-
-    @property
-    def weight_rows(self) -> int:
-        return 2 * self.width if self.act == "swiglu" else self.width
-
+from .segments import ACTIVATIONS, Segment
 
 def _activation(z: torch.Tensor, act: str | None, up: torch.Tensor | None = None) -> torch.Tensor:
     if act == "tanh":

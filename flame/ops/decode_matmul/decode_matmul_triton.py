@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..backend import triton_interpreter_enabled
-from .decode_matmul import ACTIVATIONS
+from .segments import ACTIVATIONS
 from .decode_matmul_tuning import TABLE
 
 TILE_FIELDS = 6  # first output column, segment end, first weight row, source, activation code, up-rows offset

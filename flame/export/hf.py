@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from flame.config import Model
 from flame.config.job import TRAINING_MEMORY_FIELDS
 from flame.models import build_model
+from flame.models.decoder import decoder_for, prefill
 from flame.weights.foreign import HF_MODEL_TYPE as MODEL_TYPE
 
 MODELING_FILE = "modeling_flame.py"
@@ -100,8 +101,6 @@ class FlameCache(Cache):
         """Logits [B, n, V] of the n tokens of input_ids [B, n] that continue the cache. The first
         call prefills the prompts (its attention_mask's padding left out: each row's own tokens,
         packed) and gives each row's last logits, [B, 1, V]."""
-        from flame.models.decoder import decoder_for, prefill
-
         if self.decoder is None:
             if attention_mask is None or bool(attention_mask.bool().all()):
                 prompts = input_ids

@@ -286,7 +286,7 @@ class Parallel:
     reduce-scatters them: one gather and one reduction per block and step. false: FSDP frees a
     block's weights after use (parallel.reshard_after_forward) and reduce-scatters after every
     micro-batch, without CUDA graphs: the least memory, for models whose gathered weights do not
-    fit."""
+    fit (the log warns when held weights and a rank's shards take over 40% of a GPU's memory)."""
     reshard_after_forward: str = field(default="default", metadata=one_of("default", "always", "never"))
     """Under FSDP with parallel.fsdp_hold_weights = false, whether a block frees its gathered
     weights after its forward and gathers them again for the backward: "default" (every block but

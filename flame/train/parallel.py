@@ -141,6 +141,24 @@ AdamW's two fp32 moments and a bf16 compute copy."""
 REPLICATE_MEMORY_FRACTION = 0.4
 """`plan_data_parallel` replicates when the training state takes at most this share of a device's
 memory: the rest holds the activations, which a config sizes for one GPU."""
+HELD_BYTES_PER_PARAMETER = 6
+"""What FSDP's held weights cost a rank per parameter beyond its shards (flame.train.fsdp): the
+gathered bf16 weight and, during a step, the unsharded fp32 gradient."""
+
+
+def check_held_weights_fit(num_params: int, shards: int, device: torch.device) -> str | None:
+    """A warning when FSDP's held weights and a rank's shards of the fp32 weights and AdamW state
+    (12 bytes per parameter over `shards` ranks) take more than REPLICATE_MEMORY_FRACTION of the
+    device's memory, else None."""
+    if device.type != "cuda":
+        return None
+    need = num_params * (HELD_BYTES_PER_PARAMETER + 12 / shards)
+    have = torch.cuda.get_device_properties(device).total_memory
+    if need <= REPLICATE_MEMORY_FRACTION * have:
+        return None
+    return (f"fsdp: held weights and the shards of {num_params / 1e6:.0f}M parameters take {need / 2**30:.1f} GiB, "
+            f"more than {REPLICATE_MEMORY_FRACTION:.0%} of this GPU's {have / 2**30:.0f} GiB; if the run runs out "
+            f"of memory, set parallel.fsdp_hold_weights = false (weights gathered per block and freed after use)")
 
 
 @dataclass(frozen=True)
@@ -408,6 +426,11 @@ def parallelize(model: nn.Module, cfg, state: ParallelState, cuda_graphs: bool =
     if state.fsdp:
         param_dtype, grad_dtype = fsdp_dtypes(cfg, state)
         mesh = fsdp_mesh(state)
+        if cfg.parallel.fsdp_hold_weights:
+            warning = check_held_weights_fit(sum(p.numel() for p in model.parameters()),
+                                             state.parallel_dims.dp_shard, state.device)
+            if warning:
+                logger.warning(warning)
         apply_fsdp(model, mesh, param_dtype, grad_dtype, hold_weights=cfg.parallel.fsdp_hold_weights,
                    reshard_after_forward=cfg.parallel.reshard_after_forward)
         logger.info("fsdp: %s mesh %s, params %s, reduce %s, %s", "HSDP" if mesh.ndim > 1 else "FSDP",

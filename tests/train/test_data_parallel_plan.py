@@ -43,3 +43,11 @@ def test_the_config_forces_either_path_and_a_replicate_degree_keeps_hsdp(monkeyp
 def test_cpus_replicate():
     plan = parallel.plan_data_parallel(par(), 2, torch.device("cpu"), 10**11)
     assert (plan.replicate, plan.shard) == (2, 1) and "on CPUs" in plan.reason
+
+
+def test_held_fsdp_weights_that_do_not_fit_get_a_warning_naming_the_key(monkeypatch):
+    gpu = fake_gpu(monkeypatch, 80)
+    assert parallel.check_held_weights_fit(1_400_000_000, 2, gpu) is None  # 1B on 2 GPUs: 16.9 GiB
+    warning = parallel.check_held_weights_fit(13_000_000_000, 8, gpu)  # 13B on 8: 90.8 GiB
+    assert warning is not None and "parallel.fsdp_hold_weights = false" in warning and "13000M" in warning
+    assert parallel.check_held_weights_fit(13_000_000_000, 8, torch.device("cpu")) is None

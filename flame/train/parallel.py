@@ -144,15 +144,17 @@ memory: the rest holds the activations, which a config sizes for one GPU."""
 HELD_BYTES_PER_PARAMETER = 6
 """What FSDP's held weights cost a rank per parameter beyond its shards (flame.train.fsdp): the
 gathered bf16 weight and, during a step, the unsharded fp32 gradient."""
+SHARDED_BYTES_PER_PARAMETER = 12
+"""What FSDP shards over the ranks per parameter: the fp32 weight and AdamW's two fp32 moments."""
 
 
 def check_held_weights_fit(num_params: int, shards: int, device: torch.device) -> str | None:
     """A warning when FSDP's held weights and a rank's shards of the fp32 weights and AdamW state
-    (12 bytes per parameter over `shards` ranks) take more than REPLICATE_MEMORY_FRACTION of the
+    (SHARDED_BYTES_PER_PARAMETER over `shards` ranks) take more than REPLICATE_MEMORY_FRACTION of the
     device's memory, else None."""
     if device.type != "cuda":
         return None
-    need = num_params * (HELD_BYTES_PER_PARAMETER + 12 / shards)
+    need = num_params * (HELD_BYTES_PER_PARAMETER + SHARDED_BYTES_PER_PARAMETER / shards)
     have = torch.cuda.get_device_properties(device).total_memory
     if need <= REPLICATE_MEMORY_FRACTION * have:
         return None
@@ -412,9 +414,8 @@ def fsdp_mesh(state: ParallelState):
 def fsdp_dtypes(cfg, state: ParallelState) -> tuple[torch.dtype, torch.dtype]:
     """FSDP's (param, reduce) dtypes: the config's on CUDA, fp32 on CPUs (gloo, CI: the exact
     reference)."""
-    if state.device.type != "cuda":
-        return torch.float32, torch.float32
-    return DTYPES[cfg.training.mixed_precision_param], DTYPES[cfg.training.mixed_precision_reduce]
+    param = DTYPES[cfg.training.mixed_precision_param] if state.device.type == "cuda" else torch.float32
+    return param, reduce_dtype(cfg, state)
 
 
 def parallelize(model: nn.Module, cfg, state: ParallelState, cuda_graphs: bool = False) -> nn.Module:

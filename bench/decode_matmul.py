@@ -30,6 +30,9 @@ the plain kernel (stacked input, no prologue or epilogue, so that one compiled k
 shape): first the block sizes (the broadcast-and-sum GEMV up to 16 rows, tl.dot tiles from 2 rows,
 4 warps, 2 stages), then warps 2/4/8 x stages 1-4 around the best; the --refine-top best are timed
 on the recorded launch itself (its prologue and epilogue) and the fastest is the shape's entry.
+The shipped entries of batch buckets not swept stay. With --steps covering the swept batch sizes,
+a bucket whose whole decoding steps (all --families) take longer with its swept entries than with
+the shipped ones keeps the shipped ones: a launch timed alone can rank differently in the step.
 Next to it: cuBLAS F.linear of the same product. Every time is a CUDA graph of launches that read
 --weight-copies of the weight in turn (enough that they do not stay in L2, as in a decoding step,
 where each launch reads another weight), microseconds per launch, the median of a few replays.
@@ -208,17 +211,19 @@ def config(dot, bb, bn, bk, warps=4, stages=2) -> dict:
 
 
 def block_candidates(B: int, N: int, K: int) -> list[dict]:
-    """First round: block sizes. The GEMV up to 16 rows (BB the rows' power of two, BN 8-64,
-    BK 64-512, at most 16K products per step), tl.dot from 2 rows (BB 16-64 but at most one
-    padded power of two, BN 16-128, BK 64-256, at most 64 KB of operands per stage)."""
+    """First round: block sizes. The GEMV up to 16 rows (BB the rows' power of two, BN 1-64,
+    BK 64-4096, 1K to 16K products per step: down to one program per output column, with the whole
+    of K in one block), tl.dot from 2 rows (BB 16-64 but at most one padded power of two, BN
+    16-128, BK 64-256, at most 64 KB of operands per stage)."""
     pow2 = triton.next_power_of_2
     rows, cols, bk_max = pow2(B), max(8, pow2(N)), max(16, pow2(K))
     found = []
     if B <= 16:
-        for bn in (8, 16, 32, 64):
-            for bk in (64, 128, 256, 512):
+        for bn in (1, 2, 4, 8, 16, 32, 64):
+            for bk in (64, 128, 256, 512, 1024, 2048, 4096):
+                bk = min(bk, bk_max)
                 if bn <= cols and 1024 <= rows * bn * bk <= 16384:
-                    found.append(config(False, rows, bn, min(bk, bk_max)))
+                    found.append(config(False, rows, bn, bk))
     if B >= 2:
         for bb in (16, 32, 64):
             for bn in (16, 32, 64, 128):
@@ -422,6 +427,18 @@ def step_rates(models: dict, batch_sizes: list[int], device, steps: int = 50) ->
     return rates
 
 
+def slower_buckets(before: dict, after: dict) -> set[int]:
+    """The batch buckets whose decoding steps (`step_rates` of every family at those batch sizes)
+    take longer in all with the swept table (`after`) than with the shipped one (`before`): an
+    entry timed alone can lose in the step, where launches of other shapes run between its own."""
+    totals: dict[int, list[float]] = {}
+    for (family, B), (ms, _) in after.items():
+        pair = totals.setdefault(kernel_module.batch_bucket(B), [0.0, 0.0])
+        pair[0] += before[family, B][0]
+        pair[1] += ms
+    return {bucket for bucket, (shipped_ms, swept_ms) in totals.items() if swept_ms > shipped_ms}
+
+
 def run_sweep(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.tiny:
@@ -441,18 +458,30 @@ def run_sweep(args) -> None:
     if args.sweep:
         begin = time.perf_counter()
         print(SWEEP_HEADER, flush=True)
-        rows = sweep(models, [int(b) for b in args.sweep_batch_sizes.split(",")], device, args.jobs, args.refine_top,
-                     args.weight_copies)
-        table = table_of(rows)
+        swept_sizes = [int(b) for b in args.sweep_batch_sizes.split(",")]
+        rows = sweep(models, swept_sizes, device, args.jobs, args.refine_top, args.weight_copies)
+        shipped = dict(kernel_module._checked_table())
+        swept_buckets = {kernel_module.batch_bucket(B) for B in swept_sizes}
+        table = {key: config for key, config in shipped.items() if key[0] not in swept_buckets}
+        table.update(table_of(rows))
+        install_table(table)
+        after = step_rates(models, steps, device) if steps else {}
+        kept = slower_buckets(before, after)
+        if kept:
+            table = {key: config for key, config in table.items() if key[0] not in kept}
+            table.update({key: config for key, config in shipped.items() if key[0] in kept})
+            install_table(table)
+            print(f"# batch buckets {sorted(kept)}: the whole step is slower with the swept entries; "
+                  f"the table keeps the shipped ones")
         source = table_source(table)
         print(f"# sweep: {time.perf_counter() - begin:.0f} s; the table (decode_matmul_tuning.py):\n{source}")
-        result.update(rows=rows, table=[[list(k), v] for k, v in sorted(table.items())])
+        result.update(rows=rows, table=[[list(k), v] for k, v in sorted(table.items())], kept_buckets=sorted(kept))
         if args.emit_table:
             with open(args.emit_table, "w") as f:
                 f.write(source)
             print(f"# wrote {args.emit_table}")
-        install_table(table)
-    after = step_rates(models, steps, device) if steps and args.sweep else {}
+    else:
+        after = {}
     if steps:
         swept = f" {'swept ms':>9} {'tok/s':>9}" if after else ""
         print(f"{'family':<7} {'B':>4} {'shipped ms':>11} {'tok/s':>9}{swept}")

@@ -14,7 +14,7 @@ from flame.ops.backend import triton_interpreter_enabled
 from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.decode_matmul.decode_matmul import decode_matmul_torch
 from flame.ops.decode_matmul.decode_matmul_triton import (
-    block_sizes, check_table, decode_matmul_triton, fallback_config, fit_shared_memory,
+    GEMV_ROWS, block_sizes, check_table, decode_matmul_triton, fallback_config, fit_shared_memory,
 )
 from flame.ops.decode_matmul.decode_matmul_tuning import TABLE
 from flame.ops.norm_mix import norm_mix
@@ -171,15 +171,15 @@ def test_tuning_table_is_checked_and_unseen_shapes_fall_back():
             block_sizes(64, 1024, 1024, table=bad)
 
 
-@pytest.mark.parametrize("B, N, K", [(1, 1024, 1024), (1, 4096, 1024), (8, 1024, 4096), (16, 1024, 1024),
-                                     (64, 1024, 1024), (64, 4096, 1024), (256, 5120, 32)])
+@pytest.mark.parametrize("B, N, K", [(1, 1024, 1024), (1, 4096, 1024), (3, 1024, 4096), (8, 1024, 4096),
+                                     (16, 1024, 1024), (64, 1024, 1024), (64, 4096, 1024), (256, 5120, 32)])
 def test_fallback_spreads_the_weight_over_the_sms(B, N, K):
     cfg = fallback_config(B, N, K, sms=132)
     check_table({(1, N, K): cfg})
     programs = triton.cdiv(N, cfg["BN"]) * triton.cdiv(B, cfg["BB"])
-    floor = triton.cdiv(N, 8 if B <= 8 else 16) * triton.cdiv(B, 16 if B > 8 else B)  # the blocks' lower bounds
+    floor = N if B <= GEMV_ROWS else triton.cdiv(N, 16) * triton.cdiv(B, 16)  # the blocks' lower bounds
     assert programs >= min(2 * 132, floor)
-    assert cfg["DOT"] == (B > 8) and cfg["BK"] <= max(16, triton.next_power_of_2(K))
+    assert cfg["DOT"] == (B > GEMV_ROWS) and cfg["BK"] <= max(16, triton.next_power_of_2(K))
 
 
 def test_bad_input_is_named():

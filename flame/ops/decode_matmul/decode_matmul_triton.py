@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..backend import triton_interpreter_enabled
+from ..dependent_launch import dependent_launch, launch_options, wait_for_producers
 from .segments import ACTIVATIONS
 from .decode_matmul_tuning import TABLE
 
@@ -55,8 +56,8 @@ def check_config(config, where: str = "decode_matmul config") -> dict:
     for key in ("BB", "BN", "BK"):
         value = config[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1) \
-                or value > 1024:
-            raise ValueError(f"{where}: {key} must be a power of two in [1, 1024], got {value!r}")
+                or value > 4096:
+            raise ValueError(f"{where}: {key} must be a power of two in [1, 4096], got {value!r}")
     if not isinstance(config["DOT"], bool):
         raise ValueError(f"{where}: DOT must be True or False, got {config['DOT']!r}")
     if config["DOT"] and min(config["BB"], config["BN"], config["BK"]) < 16:
@@ -94,20 +95,27 @@ def _checked_table() -> dict:
     return check_table(TABLE)
 
 
+GEMV_ROWS = 4
+"""Up to this many rows the fallback launch is a GEMV (broadcast-and-sum); from one more, tl.dot tiles."""
+
+
 def fallback_config(B: int, N: int, K: int, sms: int) -> dict:
     """A launch configuration for a shape the table lacks: enough programs (column tiles x row
     tiles >= 2x the SMs where the blocks' lower bounds allow it) to spread the weight read over
-    the GPU. Up to 8 rows a GEMV (broadcast-and-sum over BK of 32 to 256, the larger for fewer
-    rows and columns); from 9 rows tl.dot tiles of 16 to 64 rows and columns, BK 64 or 128."""
+    the GPU. Up to GEMV_ROWS rows a GEMV over the whole of K in one block (up to 4096 / rows
+    columns of K), BN output columns (1 to 64) making a tile of about 8K products, halved while
+    the programs are too few; from GEMV_ROWS + 1 rows tl.dot tiles of 16 to 64 rows and columns,
+    BK 64 or 128."""
     target = 2 * sms
     bk_max = max(16, triton.next_power_of_2(K))
-    if B <= 8:
-        bb, bn = triton.next_power_of_2(B), 64
-        while bn > 8 and triton.cdiv(N, bn) < target:
+    if B <= GEMV_ROWS:
+        bb = triton.next_power_of_2(B)
+        bk = min(bk_max, 4096 // bb)
+        bn = max(1, min(64, 8192 // (bb * bk)))
+        while bn > 1 and triton.cdiv(N, bn) < target:
             bn //= 2
-        bk = min(bk_max, max(32, min(256, 8192 // (bb * bn))))
-        return dict(DOT=False, BB=bb, BN=bn, BK=bk, num_warps=4, num_stages=3)
-    bb, bn = min(64, triton.next_power_of_2(B)), 64
+        return dict(DOT=False, BB=bb, BN=bn, BK=bk, num_warps=4, num_stages=2)
+    bb, bn = max(16, min(64, triton.next_power_of_2(B))), 64
     while triton.cdiv(N, bn) * triton.cdiv(B, bb) < target and max(bb, bn) > 16:
         if bn >= bb:
             bn //= 2
@@ -185,6 +193,12 @@ def _accumulate(acc, b_a, b_w, DOT: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _weight_block(p_w, o_k, m_n, K):
+    """The [BN, BK] block of weight rows p_w at columns o_k (zeros past K and past the tile's rows)."""
+    return tl.load(p_w + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :], other=0)
+
+
+@triton.jit
 def _row_statistics(x, rows, s_xb, m_b, K, eps, NORM: tl.constexpr, SILU: tl.constexpr, BB: tl.constexpr,
                     BK: tl.constexpr):
     """The norm's mean and 1/std of a block of rows of x (of silu(x) with SILU), walking K; RMSNorm's
@@ -238,11 +252,12 @@ def _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, m
 @triton.jit
 def _prologue_kernel(x, s_xb, inputs, P, B, K, nw, nb, eps, prev, mu, mix, s_mp, s_mb, h_out,
                      NORM: tl.constexpr, SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr,
-                     WRITE_H: tl.constexpr, BK: tl.constexpr):
+                     WRITE_H: tl.constexpr, PDL: tl.constexpr, BK: tl.constexpr):
     """The prologue alone, one program per row: the inputs [P, B, K] that the products read."""
     i_b = tl.program_id(0)
     rows = tl.full([1], i_b, dtype=tl.int64)
     m_b = rows < B
+    wait_for_producers(PDL)
     b_mean, b_rstd = _row_statistics(x, rows, s_xb, m_b, K, eps, NORM, SILU, 1, BK)
     for src in range(0, P):
         for k0 in range(0, K, BK):
@@ -260,7 +275,7 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
                           res, gate, s_gb, c_src, c_dst,
                           NORM: tl.constexpr, SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr,
                           WRITE_H: tl.constexpr, RESID: tl.constexpr, GATE: tl.constexpr, COMMIT: tl.constexpr,
-                          GLU: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                          GLU: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
                           BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     i_n = tl.program_id(0)
     i_b = tl.program_id(1)
@@ -277,6 +292,17 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
     o_n = tl.arange(0, BN)
     m_n = col0 + o_n < col_end
     p_w = w + (wrow0 + o_n).to(tl.int64)[:, None] * K
+    p_u = p_w + up.to(tl.int64) * K
+
+    # The GEMV path (no DOT) reads each weight once and nothing else of size: its first weight block
+    # is in flight before the wait and the statistics walk (the weights are constants of the step),
+    # and each iteration loads the next block before it multiplies the current. The tl.dot path
+    # loads its blocks in the loop, where Triton's software pipelining stages them.
+    if not DOT:
+        b_w = _weight_block(p_w, tl.arange(0, BK), m_n, K)
+        if GLU:
+            b_u = _weight_block(p_u, tl.arange(0, BK), m_n, K)
+    wait_for_producers(PDL)
 
     if NORM != 0:
         b_mean, b_rstd = _row_statistics(x, rows, s_xb, m_b, K, eps, NORM, SILU, BB, BK)
@@ -292,11 +318,18 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
                                 h_out, K, SILU, LERP, MIX, WRITE_H, i_n == 0)
         else:
             b_a = tl.load(x + src * s_xp + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0)
-        m_nk = m_n[:, None] & m_k[None, :]
-        acc = _accumulate(acc, b_a, tl.load(p_w + o_k[None, :], mask=m_nk, other=0), DOT, DOT_F32)
-        if GLU:
-            acc_up = _accumulate(acc_up, b_a, tl.load(p_w + up.to(tl.int64) * K + o_k[None, :], mask=m_nk, other=0),
-                                 DOT, DOT_F32)
+        if DOT:
+            acc = _accumulate(acc, b_a, _weight_block(p_w, o_k, m_n, K), DOT, DOT_F32)
+            if GLU:
+                acc_up = _accumulate(acc_up, b_a, _weight_block(p_u, o_k, m_n, K), DOT, DOT_F32)
+        else:
+            b_w_next = _weight_block(p_w, o_k + BK, m_n, K)
+            acc = _accumulate(acc, b_a, b_w, DOT, DOT_F32)
+            b_w = b_w_next
+            if GLU:
+                b_u_next = _weight_block(p_u, o_k + BK, m_n, K)
+                acc_up = _accumulate(acc_up, b_a, b_u, DOT, DOT_F32)
+                b_u = b_u_next
 
     if GLU:
         b_y = acc * tl.sigmoid(acc) * acc_up
@@ -330,12 +363,13 @@ def _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_o
     B, K = x.shape
     P = 1 if mu is None else mu.shape[0]
     inputs = torch.empty(P, B, K, dtype=x.dtype, device=x.device)
+    pdl = dependent_launch(x.device)
     _prologue_kernel[(B,)](
         x, x.stride(0), inputs, P, B, K, norm_weight, norm_bias if norm == "layer" else None, eps, previous,
         None if mu is None else mu.contiguous(), mix, mix.stride(0) if mix is not None else 0,
         mix.stride(1) if mix is not None else 0, h_out, NORM=1 if norm == "layer" else 2, SILU=bool(silu),
-        LERP=mu is not None, MIX=mix is not None, WRITE_H=h_out is not None,
-        BK=min(1024, max(16, triton.next_power_of_2(K))), num_warps=4)
+        LERP=mu is not None, MIX=mix is not None, WRITE_H=h_out is not None, PDL=pdl,
+        BK=min(1024, max(16, triton.next_power_of_2(K))), num_warps=4, **launch_options(pdl))
     return inputs
 
 
@@ -357,6 +391,7 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
     dot_f32 = triton_interpreter_enabled() or x.dtype != torch.bfloat16 and x.dtype != torch.float16
     src, dst = commit if commit is not None else (None, None)
+    pdl = dependent_launch(x.device)
     grid = (tiles.shape[0], triton.cdiv(B, blocks["BB"]))
     args = (
         x, x.stride(0) if norm is None else 0, x.stride(-2), weight, tiles, out, N, B, K,
@@ -368,8 +403,9 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
     options = dict(
         NORM=0 if norm is None else 1 if norm == "layer" else 2, SILU=bool(silu), LERP=mu is not None,
         MIX=mix is not None, WRITE_H=h_out is not None, RESID=residual is not None, GATE=residual_gate is not None,
-        COMMIT=commit is not None, GLU=glu, DOT=blocks["DOT"], DOT_F32=dot_f32, BB=blocks["BB"], BN=blocks["BN"],
-        BK=blocks["BK"], num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+        COMMIT=commit is not None, GLU=glu, DOT=blocks["DOT"], DOT_F32=dot_f32, PDL=pdl, BB=blocks["BB"],
+        BN=blocks["BN"], BK=blocks["BK"], num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
+        **launch_options(pdl),
     )
     if warmup:
         _decode_matmul_kernel.warmup(*args, grid=grid, **options)

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dependent_launch import dependent_launch, launch_options, wait_for_producers
+
 TILE_ELEMENTS = 8192
 """fp32 state elements per block of the walk (8 warps): two blocks per state at K = 256, M = 64,
 so a program's loads are few and large (its latency, not the bandwidth, bounds one token)."""
@@ -30,7 +32,8 @@ def _log1p(x):
 @triton.jit
 def _gsa_decode_kernel(q, k, v, f, state_k, state_v, o, s_q, s_k, s_v, s_f, normalizer, H,
                        G: tl.constexpr, K: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
-                       BG: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr):
+                       BG: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+                       PDL: tl.constexpr):
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -38,6 +41,15 @@ def _gsa_decode_kernel(q, k, v, f, state_k, state_v, o, s_q, s_k, s_v, s_f, norm
     o_m = tl.arange(0, BM)
     m_g = o_g < G
     m_m = o_m < M
+    # The first block of each state is in flight before the wait (the layer's own state: no earlier
+    # kernel of the step writes it); each walk loads its next block before it updates the current.
+    p_hk = state_k + i_bh * K * M
+    p_hv = state_v + i_bh * M * V
+    o_k = tl.arange(0, BK)
+    b_hk = tl.load(p_hk + o_k[:, None] * M + o_m[None, :], mask=(o_k < K)[:, None] & m_m[None, :], other=0)
+    o_v = tl.arange(0, BV)
+    b_hv = tl.load(p_hv + o_m[:, None] * V + o_v[None, :], mask=m_m[:, None] & (o_v < V)[None, :], other=0)
+    wait_for_producers(PDL)
 
     b_f = tl.load(f + i_b * s_f + i_h * M + o_m, mask=m_m, other=0).to(tl.float32)
     b_lg = tl.minimum(b_f, 0.0) - _log1p(tl.exp(-tl.abs(b_f)))  # logsigmoid
@@ -46,7 +58,6 @@ def _gsa_decode_kernel(q, k, v, f, state_k, state_v, o, s_q, s_k, s_v, s_f, norm
     b_s = tl.where(m_m, -_expm1(b_gate), 0.0)
 
     q_heads = i_h * G + o_g  # the group's query heads
-    p_hk = state_k + i_bh * K * M
     b_z = tl.zeros([BG, BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -57,26 +68,31 @@ def _gsa_decode_kernel(q, k, v, f, state_k, state_v, o, s_q, s_k, s_v, s_f, norm
                       other=0).to(tl.float32)
         b_q = b_q * tl.sigmoid(b_q)
         m_km = m_k[:, None] & m_m[None, :]
-        b_hk = tl.load(p_hk + o_k[:, None] * M + o_m[None, :], mask=m_km, other=0)
+        o_next = o_k + BK
+        b_hk_next = tl.load(p_hk + o_next[:, None] * M + o_m[None, :], mask=(o_next < K)[:, None] & m_m[None, :],
+                            other=0)
         b_hk = b_hk * b_alpha[None, :] + b_k[:, None] * b_s[None, :]
         tl.store(p_hk + o_k[:, None] * M + o_m[None, :], b_hk, mask=m_km)
         b_z += tl.sum(b_q[:, :, None] * b_hk[None, :, :], 1)
+        b_hk = b_hk_next
 
     b_z = tl.where(m_m[None, :], b_z, float("-inf"))
     b_p = tl.exp(b_z - tl.max(b_z, 1)[:, None])
     b_p = b_p / tl.sum(b_p, 1)[:, None]
 
-    p_hv = state_v + i_bh * M * V
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
         b_v = tl.load(v + i_b * s_v + i_h * V + o_v, mask=m_v, other=0).to(tl.float32)
         b_v = b_v * tl.sigmoid(b_v)
         m_mv = m_m[:, None] & m_v[None, :]
-        b_hv = tl.load(p_hv + o_m[:, None] * V + o_v[None, :], mask=m_mv, other=0)
+        o_next = o_v + BV
+        b_hv_next = tl.load(p_hv + o_m[:, None] * V + o_next[None, :], mask=m_m[:, None] & (o_next < V)[None, :],
+                            other=0)
         b_hv = b_alpha[:, None] * b_hv + b_s[:, None] * b_v[None, :]
         tl.store(p_hv + o_m[:, None] * V + o_v[None, :], b_hv, mask=m_mv)
         b_o = tl.sum(b_p[:, :, None] * b_hv[None, :, :], 1)
+        b_hv = b_hv_next
         tl.store(o + i_b * (H * G * V) + q_heads[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty),
                  mask=m_g[:, None] & m_v[None, :])
 
@@ -91,8 +107,9 @@ def gsa_decode_step_triton(q, k, v, f, normalizer, state_k, state_v):
     BM = max(triton.next_power_of_2(M), 16)
     BK = min(max(triton.next_power_of_2(K), 16), max(16, TILE_ELEMENTS // (BG * BM)))
     BV = min(max(triton.next_power_of_2(V), 16), max(16, TILE_ELEMENTS // (BG * BM)))
+    pdl = dependent_launch(q.device)
     _gsa_decode_kernel[(B * H,)](
         q, k, v, f, state_k, state_v, out, q.stride(0), k.stride(0), v.stride(0), f.stride(0), normalizer, H,
-        G=G, K=K, M=M, V=V, BG=BG, BK=BK, BM=BM, BV=BV, num_warps=8,
+        G=G, K=K, M=M, V=V, BG=BG, BK=BK, BM=BM, BV=BV, PDL=pdl, num_warps=8, **launch_options(pdl),
     )
     return out

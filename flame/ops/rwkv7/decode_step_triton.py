@@ -10,17 +10,23 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dependent_launch import dependent_launch, launch_options, wait_for_producers
+
 
 @triton.jit
 def _rwkv7_decode_kernel(r, k, v, w_l, a_l, v_l, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, state,
                          y, s_r, s_k, s_v, s_w, s_a, s_vl, s_g, H, C, eps, bound,
-                         N: tl.constexpr, BN: tl.constexpr, IS_FIRST: tl.constexpr):
+                         N: tl.constexpr, BN: tl.constexpr, IS_FIRST: tl.constexpr, PDL: tl.constexpr):
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
     o_n = tl.arange(0, BN)
     m_n = o_n < N
     ch = i_h * N + o_n  # the head's channels
+    p_s = state + i_bh * N * N + o_n[:, None] * N + o_n[None, :]
+    m_s = m_n[:, None] & m_n[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0)  # the layer's own state: no earlier kernel of the step writes it
+    wait_for_producers(PDL)
 
     b_r = tl.load(r + i_b * s_r + ch, mask=m_n, other=0).to(tl.float32)
     b_k = tl.load(k + i_b * s_k + ch, mask=m_n, other=0).to(tl.float32)
@@ -42,9 +48,6 @@ def _rwkv7_decode_kernel(r, k, v, w_l, a_l, v_l, g, v_first, w0, a0, v0, k_k, k_
     b_kk = b_kk / tl.maximum(tl.sqrt(tl.sum(b_kk * b_kk, 0)), 1e-12)
     b_k = b_k * (1 + (b_a - 1) * tl.load(k_a + ch, mask=m_n, other=0).to(tl.float32))
 
-    p_s = state + i_bh * N * N + o_n[:, None] * N + o_n[None, :]
-    m_s = m_n[:, None] & m_n[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0)
     b_p = tl.sum(-b_kk[:, None] * b_s, 0)
     b_s = tl.exp(b_w)[:, None] * b_s + (b_kk * b_a)[:, None] * b_p[None, :] + b_k[:, None] * b_v[None, :]
     tl.store(p_s, b_s, mask=m_s)
@@ -68,10 +71,11 @@ def rwkv7_decode_step_triton(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0
     if is_first:
         v_lora, v0 = w_lora, w0  # unread placeholders of the right type
     BN = max(triton.next_power_of_2(N), 16)
+    pdl = dependent_launch(r.device)
     _rwkv7_decode_kernel[(B * H,)](
         r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight, ln_bias, state, y,
         r.stride(0), k.stride(0), v.stride(0), w_lora.stride(0), a_lora.stride(0), v_lora.stride(0), g.stride(0),
-        H, C, ln_eps, decay_bound, N=N, BN=BN, IS_FIRST=bool(is_first),
-        num_warps=4 if BN <= 64 else 8,
+        H, C, ln_eps, decay_bound, N=N, BN=BN, IS_FIRST=bool(is_first), PDL=pdl,
+        num_warps=4 if BN <= 64 else 8, **launch_options(pdl),
     )
     return y

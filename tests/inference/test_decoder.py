@@ -202,8 +202,9 @@ def test_cuda_graph_step_equals_the_eager_step_in_bf16(family):
     """32 greedy tokens: the captured graph and the same step run eagerly give the same tokens; the
     step is as close to the fp32 model as bf16 forward_with_state is (its logits' relative RMS error
     against fp32, teacher-forced on the graphed tokens, at most 1.5x forward_with_state's, which
-    is about 1e-2 per 6 layers), and each graphed token is the eager recurrent step's argmax up to
-    bf16 near-ties."""
+    is about 1e-2 per 6 layers), and each graphed token is the fp32 model's argmax up to near-ties
+    within the bf16 logits' own error (the fp32 logit of the token at most 4x the row's RMS error
+    below the fp32 maximum; two bf16 computations of a near-tie may pick either side of it)."""
     model = gpu_model(family)
     prompt = torch.randint(0, model.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
     graphed = generate(model, prompt, max_new_tokens=32, temperature=0, graph=True)
@@ -216,6 +217,7 @@ def test_cuda_graph_step_equals_the_eager_step_in_bf16(family):
     ref_logits, ref_state = reference.forward_with_state(prompt, last_only=True)
     decoder = decoder_for(model, 4, graph=True)
     decoder.load(state)
+    step_logits = logits[:, -1].float()  # the first new token comes from the prefill's logits
     for t in range(32):  # teacher-forced on the graphed tokens
         if t:
             decoder.tokens.copy_(graphed[:, t - 1])
@@ -226,9 +228,12 @@ def test_cuda_graph_step_equals_the_eager_step_in_bf16(family):
             step_err, bf16_err = relative_rms(step_logits, ref), relative_rms(logits[:, -1], ref)
             assert step_err <= 1.5 * bf16_err + 1e-3, (
                 f"{family} token {t}: the step's error against fp32 {step_err:.2e}, forward_with_state's {bf16_err:.2e}")
-        eager_step = logits[:, -1].float()  # bf16 forward_with_state: the eager recurrent step
-        gap = eager_step.max(-1).values - eager_step.gather(1, graphed[:, t, None])[:, 0]
-        assert (gap <= 0.05 * eager_step.std(-1)).all(), f"{family} token {t}: not the eager step's argmax"
+        ref = ref_logits[:, -1].float()
+        row_err = (step_logits - ref).pow(2).mean(-1).sqrt()
+        gap = ref.max(-1).values - ref.gather(1, graphed[:, t, None])[:, 0]
+        assert (gap <= 4 * row_err).all(), (
+            f"{family} token {t}: the fp32 logit of the chosen token is {gap.max():.3g} below the maximum, "
+            f"beyond 4x the row's error {row_err.min():.3g}")
     release_decoders(model)
 
 

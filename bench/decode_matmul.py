@@ -1,18 +1,21 @@
 """Speed of flame.ops.decode_matmul on one CUDA GPU against the PyTorch composition it replaces in
-a decoding step (norm_mix, torch.bmm / nn.Linear on cuBLAS, the activations), at the 340M
-models' shapes (hidden 1024), bf16, batch 1, 8 and 64:
+a decoding step without flame's fused kernels (F.layer_norm / F.rms_norm, the residual add and the
+token-shift lerps as PyTorch elementwise ops, torch.bmm / nn.Linear on cuBLAS, the activations), at
+the 340M models' shapes (hidden 1024), bf16, batch 1, 8 and 64:
 
     python -m bench.decode_matmul
     python -m bench.decode_matmul --batch-sizes 1,8,64,256 --cases rwkv7_in,ffn
 
 Cases (what one sub-layer of a decoding step launches):
 - rwkv7_in: RWKV7's norm, six token-shift lerps, r/k/v and the four LoRAs' first matrices with
-  tanh/sigmoid. Composition: norm_mix, bmm (r, k, v), bmm (LoRA firsts), tanh_, sigmoid_.
+  tanh/sigmoid. Composition: F.layer_norm, the lerps h + (prev - h) * mu (addcmul), prev.copy_(h),
+  bmm (r, k, v), bmm (LoRA firsts), tanh_, sigmoid_.
 - lora_out: RWKV7's four LoRA second matrices (rank 160 -> 1024 each): bmm.
-- ffn: RWKV7's channel mix: norm_mix (+ residual add), key Linear, squared_relu, value Linear.
-- out_residual: the output projection and the residual add: Linear, then the add (in the next
-  norm_mix in the composition; here an add_).
-- gsa_mlp: GSA's RMSNorm, gate/up, silu(gate) * up, down: norm_mix, Linear, silu * up, Linear.
+- ffn: RWKV7's channel mix: the residual add (add_), F.layer_norm, the lerp, prev.copy_(h), key
+  Linear, squared_relu, value Linear.
+- out_residual: the output projection and the residual add: Linear, then add_.
+- gsa_mlp: GSA's RMSNorm, gate/up, silu(gate) * up, down, residual add: F.rms_norm, Linear,
+  silu * up, Linear, add_.
 - gemv_*: one plain projection (N x K) against F.linear, with the achieved weight bandwidth.
 
 Times are medians of `triton.testing.do_bench` (microseconds per call, one call = the whole case);
@@ -59,7 +62,6 @@ from bench.timing import require_cuda
 from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.decode_matmul import decode_matmul_triton as kernel_module
 from flame.ops.decode_matmul.decode_matmul import decode_matmul_torch
-from flame.ops.norm_mix import norm_mix
 from flame.ops.squared_relu import squared_relu
 
 C, RANK, FFN = 1024, 160, 4096
@@ -69,9 +71,14 @@ def _w(*shape, device):
     return (torch.randn(*shape, device=device) / shape[-1] ** 0.5).to(torch.bfloat16)
 
 
+def _norm_params(device):
+    """A norm's weight and bias in bf16, as a bf16 model holds them (so the PyTorch norms return bf16)."""
+    return (torch.ones(C, device=device, dtype=torch.bfloat16), torch.zeros(C, device=device, dtype=torch.bfloat16))
+
+
 def case_rwkv7_in(B, device):
     x, prev, h = (torch.randn(B, C, device=device, dtype=torch.bfloat16) for _ in range(3))
-    ln_w, ln_b = torch.ones(C, device=device), torch.zeros(C, device=device)
+    ln_w, ln_b = _norm_params(device)
     mu = torch.rand(6, C, device=device, dtype=torch.bfloat16)
     rkv, lora_in = _w(3, C, C, device=device), _w(4, C, RANK, device=device)
     attn_in = torch.cat([rkv.flatten(0, 1), lora_in.transpose(1, 2).flatten(0, 1)])
@@ -79,7 +86,9 @@ def case_rwkv7_in(B, device):
                 Segment(RANK, 4, "tanh"), Segment(RANK, 5, "sigmoid"))
 
     def composed():
-        lerps = norm_mix(x, ln_w, ln_b, 1e-5, previous=prev.clone(), mu=mu)
+        normed = F.layer_norm(x, (C,), ln_w, ln_b, 1e-5)
+        lerps = torch.addcmul(normed, prev - normed, mu[:, None])
+        prev.copy_(normed)
         torch.bmm(lerps[0:3], rkv.transpose(1, 2))
         hidden = torch.bmm(lerps[2:6], lora_in)
         hidden[2].tanh_()
@@ -101,13 +110,16 @@ def case_lora_out(B, device):
 
 def case_ffn(B, device):
     x, prev, h, add = (torch.randn(B, C, device=device, dtype=torch.bfloat16) for _ in range(4))
-    ln_w, ln_b = torch.ones(C, device=device), torch.zeros(C, device=device)
+    ln_w, ln_b = _norm_params(device)
     mu = torch.rand(1, C, device=device, dtype=torch.bfloat16)
     key, value = _w(FFN, C, device=device), _w(C, FFN, device=device)
 
     def composed():
-        lerps = norm_mix(x, ln_w, ln_b, 1e-5, add=add, previous=prev.clone(), mu=mu)
-        F.linear(squared_relu(F.linear(lerps[0], key)), value)
+        x.add_(add)
+        normed = F.layer_norm(x, (C,), ln_w, ln_b, 1e-5)
+        lerp = torch.addcmul(normed, prev - normed, mu[0])
+        prev.copy_(normed)
+        F.linear(squared_relu(F.linear(lerp, key)), value)
 
     def fused():
         k = decode_matmul(x, key, (Segment(FFN, 0, "sqrelu"),), norm="layer", norm_weight=ln_w, norm_bias=ln_b,
@@ -126,11 +138,11 @@ def case_out_residual(B, device):
 def case_gsa_mlp(B, device):
     width = 2816
     x = torch.randn(B, C, device=device, dtype=torch.bfloat16)
-    rms_w = torch.ones(C, device=device)
+    rms_w, _ = _norm_params(device)
     gate_up, down = _w(2 * width, C, device=device), _w(C, width, device=device)
 
     def composed():
-        h = norm_mix(x, rms_w, None, 1e-6, norm="rms")
+        h = F.rms_norm(x, (C,), rms_w, 1e-6)
         gate, up = F.linear(h, gate_up).chunk(2, dim=1)
         x.add_(F.linear(F.silu(gate) * up, down))
 

@@ -15,7 +15,6 @@ from torch import nn
 from flame.models.init import default_init_skipped
 from flame.models.state import LayerState
 from flame.ops.dtypes import to_compute_dtype
-from flame.ops.norm_mix import norm_mix
 from flame.ops.linear_cross_entropy import linear_cross_entropy
 from flame.models.varlen import check_cu_seqlens
 
@@ -197,7 +196,7 @@ class CausalLM(nn.Module):
         """
         x, = to_compute_dtype(self.embeddings(tokens))
         x = self._decode_layers(x, state, weights)
-        return self.lm_head(norm_mix(x, **norm_args(self.norm)))
+        return self.lm_head(self.norm(x))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters; with exclude_embeddings, minus the input embedding
@@ -223,17 +222,11 @@ class CausalLM(nn.Module):
         return 6 * matmul_params + sum(layer.state_flops_per_token() for layer in self.layers)
 
 
-def norm_args(norm: nn.Module) -> dict:
-    """The `flame.ops.norm_mix` arguments (weight, bias, eps, norm kind) of a LayerNorm or RMSNorm."""
-    kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
-    return {"weight": norm.weight, "bias": getattr(norm, "bias", None), "eps": norm.eps, "norm": kind}
-
-
 def prologue_args(norm: nn.Module) -> dict:
     """The `flame.ops.decode_matmul` norm-prologue arguments (norm, norm_weight, norm_bias, eps) of a
     LayerNorm or RMSNorm."""
-    args = norm_args(norm)
-    return {"norm": args["norm"], "norm_weight": args["weight"], "norm_bias": args["bias"], "eps": args["eps"]}
+    return {"norm": "rms" if isinstance(norm, nn.RMSNorm) else "layer", "norm_weight": norm.weight,
+            "norm_bias": getattr(norm, "bias", None), "eps": norm.eps}
 
 
 def check_input_ids(input_ids: torch.Tensor) -> None:

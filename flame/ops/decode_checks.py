@@ -1,4 +1,4 @@
-"""Input checks shared by the one-token decoding ops (flame.ops.norm_mix and the families'
+"""Input checks shared by the one-token decoding ops (flame.ops.decode_matmul and the families'
 decode_step): shape, layout and device only, nothing that syncs with the host, so a CUDA graph can
 capture the ops with their checks."""
 

@@ -1,5 +1,4 @@
-"""Compile the decoding step's Triton kernels (flame.ops.norm_mix, flame.ops.decode_matmul and the families'
-decode_step)
+"""Compile the decoding step's Triton kernels (flame.ops.decode_matmul and the families' decode_step)
 for an H100 (sm_90) on a machine without GPU, in the specializations the 340M models launch, with
 tests/ops/sm90_compile.py's recorder and compiler.
 
@@ -21,7 +20,6 @@ def decode_launches():
     """The launches of one decoding step of each 340M family at batch 4, in bf16, on CPU tensors."""
     import flame.ops.decode_matmul.decode_matmul_triton  # noqa: F401 - its kernel is recorded
     from flame.ops.gsa.decode_step_triton import gsa_decode_step_triton
-    from flame.ops.norm_mix.norm_mix_triton import norm_mix_triton
     from flame.ops.rwkv6.decode_step_triton import rwkv6_decode_step_triton
     from flame.ops.rwkv7.decode_step_triton import rwkv7_decode_step_triton
 
@@ -31,8 +29,6 @@ def decode_launches():
     rows = lambda n=1: torch.zeros(n, B, C, dtype=bf16)  # noqa: E731
     vec = lambda: torch.zeros(C, dtype=bf16)  # noqa: E731
     x = rows()[0]
-    norm_mix_triton(x, vec(), vec(), 1e-5, "layer", None, None, None, None, False)  # the RWKV final norm
-    norm_mix_triton(x, vec(), None, 1e-6, "rms", None, None, None, None, False)  # GSA's final norm
 
     proj, lora = rows(3), rows(4)
     per_head = torch.zeros(H, N, dtype=bf16)

@@ -18,7 +18,6 @@ from flame.generate import generate
 from flame.models.decoder import Decoder, decoder_for, prefill, release_decoders
 from flame.ops.backend import triton_interpreter_enabled
 from flame.ops.gsa.decode_step import gsa_decode_step
-from flame.ops.norm_mix import norm_mix
 from flame.ops.rwkv6.decode_step import rwkv6_decode_step
 from flame.ops.rwkv7.decode_step import rwkv7_decode_step
 from tests.models.helpers import FAMILIES
@@ -110,8 +109,8 @@ def test_decoder_cache_and_weight_refresh():
 @pytest.mark.skipif(not triton_interpreter_enabled(), reason="Triton kernels on CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernels_equal_their_pytorch_forms(dtype):
-    """norm_mix and the three decode_step ops: Triton (interpreter) against PyTorch, outputs and
-    in-place updates, with strided inputs (views of stacked matmul outputs)."""
+    """The three decode_step ops: Triton (interpreter) against PyTorch, outputs and in-place
+    updates, with strided inputs (views of stacked matmul outputs)."""
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     B, H, N = 3, 4, 16
@@ -127,14 +126,6 @@ def test_decode_kernels_equal_their_pytorch_forms(dtype):
             results.append([*(out if isinstance(out, (tuple, list)) else [out]), *copies])
         for want, got in zip(*results):
             torch.testing.assert_close(got.float(), want.float(), **tol)
-
-    x, prev = rand(B, C).to(dtype), rand(B, C).to(dtype)
-    add, gate = rand(B, 2 * C).to(dtype)[:, :C], rand(B, C).to(dtype)
-    mu, w, b = torch.rand(5, C, generator=gen), rand(C), rand(C)
-    both(lambda be, x, p: norm_mix(x, w, b, 1e-5, add=add, gate=gate, previous=p, mu=mu,
-                                   backend=be), x, prev)
-    both(lambda be, x: norm_mix(x, w, None, 1e-6, norm="rms", add=add, backend=be), x)
-    both(lambda be, x: norm_mix(x, w, None, 1e-6, norm="rms", silu=True, backend=be), x)
 
     proj = rand(7, B, 2 * C).to(dtype)[..., :C]  # strided rows
     params = dict(w0=rand(C), a0=rand(C), v0=rand(C), k_k=rand(C), k_a=rand(C), r_k=rand(H, N), ln_weight=rand(C),

@@ -21,8 +21,9 @@ for every segment, accumulating in fp32, with what sits around the products fuse
 - `commit` (src, dst) [B, N]: dst <- src, written column by column by the programs that own the
   columns of the output, which read neither.
 
-Rounding: h and the lerps as flame.ops.norm_mix rounds them; the products are fp32 sums of the
-rounded inputs times the weights; the activation is applied in fp32 and rounded once (with a
+Rounding: h is computed in fp32 and rounded to x's dtype (a norm layer's output), the lerps are
+computed in fp32 from that rounded h and rounded once; the products are fp32 sums of the rounded
+inputs times the weights; the activation is applied in fp32 and rounded once (with a
 residual, residual + activation is rounded once).
 """
 
@@ -33,8 +34,25 @@ import torch.nn.functional as F
 
 from ..backend import resolve_backend
 from ..decode_checks import check_rows
-from ..norm_mix.norm_mix import NORMS, norm_mix_torch
 from .segments import ACTIVATIONS, Segment
+
+NORMS = ("layer", "rms")
+
+
+def _norm_rounded(x, weight, bias, eps, norm, silu):
+    """The prologue's h: LayerNorm or RMSNorm (`norm`) of x, or of silu(x) with `silu`, computed in
+    fp32 (x's dtype when wider) and rounded to x's dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    z = x.to(acc)
+    if silu:
+        z = F.silu(z)
+    w = None if weight is None else weight.to(acc)
+    if norm == "rms":
+        h = F.rms_norm(z, (z.shape[-1],), w, eps)
+    else:
+        h = F.layer_norm(z, (z.shape[-1],), w, None if bias is None else bias.to(acc), eps)
+    return h.to(x.dtype)
+
 
 def _activation(z: torch.Tensor, act: str | None, up: torch.Tensor | None = None) -> torch.Tensor:
     if act == "tanh":
@@ -55,7 +73,7 @@ def decode_matmul_torch(x, weight, segments, norm=None, norm_weight=None, norm_b
     dtype = x.dtype
     acc = torch.promote_types(dtype, torch.float32)
     if norm is not None:
-        h = norm_mix_torch(x, norm_weight, norm_bias, eps, norm, silu=silu)
+        h = _norm_rounded(x, norm_weight, norm_bias, eps, norm, silu)
         if h_out is not None:
             h_out.copy_(h)
         if mu is None:

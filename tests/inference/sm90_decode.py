@@ -43,7 +43,10 @@ def decode_launches():
         q, k, v, f = qkvf.split([HQ * K, HK * K, HK * K, HK * M], dim=1)
         gsa_decode_step_triton(q, k, v, f, 8.0, torch.zeros(B, HK, K, M), torch.zeros(B, HK, M, K))
     decode_matmul_launches()
-    return launches
+    # On CPU tensors the kernels record plain launches; an H100 launches them as programmatic
+    # dependents (flame.ops.dependent_launch), the specialization compiled here.
+    return [(kernel, {**values, "PDL": True} if "PDL" in values else values, options)
+            for kernel, values, options in launches]
 
 
 def decode_matmul_launches() -> None:

@@ -4,9 +4,11 @@ A tile lies inside one segment (the tile table gives its first output column, it
 its first weight row, its input, its activation and, for swiglu, the offset of the up rows). The
 program walks K in blocks of BK: it builds the input block (loads it, or with the norm prologue
 normalises the row block with the row statistics from a first walk and applies the lerp), and
-accumulates in fp32, with tl.dot tiles from 9 rows up (BB >= 16) and a broadcast-and-sum below
-(a GEMV: the weight read is the cost, and a dot tile of one row wastes 15 of its 16). The epilogue
-applies the activation, the residual add and the commit copy of the tile's columns.
+accumulates in fp32, with tl.dot tiles (BB >= 16) or, for a few rows, a broadcast-and-sum (a GEMV:
+the weight read is the cost, and a dot tile of one row wastes 15 of its 16), as the launch
+configuration says. The epilogue applies the activation, the residual add and the commit copy of
+the tile's columns. On Hopper the kernels launch as programmatic dependents
+(flame.ops.dependent_launch).
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def test_fallback_spreads_the_weight_over_the_sms(B, N, K):
     cfg = fallback_config(B, N, K, sms=132)
     check_table({(1, N, K): cfg})
     programs = triton.cdiv(N, cfg["BN"]) * triton.cdiv(B, cfg["BB"])
-    floor = N if B <= GEMV_ROWS else triton.cdiv(N, 16) * triton.cdiv(B, 16)  # the blocks' lower bounds
+    floor = triton.cdiv(N, 8) if B <= GEMV_ROWS else triton.cdiv(N, 16) * triton.cdiv(B, 16)  # the blocks' lower bounds
     assert programs >= min(2 * 132, floor)
     assert cfg["DOT"] == (B > GEMV_ROWS) and cfg["BK"] <= max(16, triton.next_power_of_2(K))
 

@@ -104,18 +104,16 @@ GEMV_ROWS = 4
 def fallback_config(B: int, N: int, K: int, sms: int) -> dict:
     """A launch configuration for a shape the table lacks: enough programs (column tiles x row
     tiles >= 2x the SMs where the blocks' lower bounds allow it) to spread the weight read over
-    the GPU. Up to GEMV_ROWS rows a GEMV over the whole of K in one block (up to 4096 / rows
-    columns of K), BN output columns (1 to 64) making a tile of about 8K products, halved while
-    the programs are too few; from GEMV_ROWS + 1 rows tl.dot tiles of 16 to 64 rows and columns,
-    BK 64 or 128."""
+    the GPU. Up to GEMV_ROWS rows a GEMV: BN output columns from 64 down to 8 while the programs
+    are too few, and K blocks making a tile of 8K products (the whole of K where it fits); from
+    GEMV_ROWS + 1 rows tl.dot tiles of 16 to 64 rows and columns, BK 64 or 128."""
     target = 2 * sms
     bk_max = max(16, triton.next_power_of_2(K))
     if B <= GEMV_ROWS:
-        bb = triton.next_power_of_2(B)
-        bk = min(bk_max, 4096 // bb)
-        bn = max(1, min(64, 8192 // (bb * bk)))
-        while bn > 1 and triton.cdiv(N, bn) < target:
+        bb, bn = triton.next_power_of_2(B), 64
+        while bn > 8 and triton.cdiv(N, bn) < target:
             bn //= 2
+        bk = min(bk_max, max(32, 8192 // (bb * bn)))
         return dict(DOT=False, BB=bb, BN=bn, BK=bk, num_warps=4, num_stages=2)
     bb, bn = max(16, min(64, triton.next_power_of_2(B))), 64
     while triton.cdiv(N, bn) * triton.cdiv(B, bb) < target and max(bb, bn) > 16:

@@ -1,7 +1,8 @@
 """decode_matmul: the PyTorch form against an explicit composition (an fp64 LayerNorm, the lerps,
 matmuls, activations, residual add), and the Triton kernel (the interpreter on CPU) against the
-PyTorch form, for batch sizes on both of the kernel's paths (GEMV below 9 rows, tl.dot tiles from
-9), odd widths, bf16 and fp32, and every prologue and epilogue."""
+PyTorch form, for batch sizes on both of the kernel's paths (the GEMV of up to GEMV_ROWS rows and
+tl.dot tiles, by the fallback launch or a given configuration), odd widths, bf16 and fp32, and every
+prologue and epilogue."""
 
 from __future__ import annotations
 

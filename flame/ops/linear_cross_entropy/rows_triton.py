@@ -4,6 +4,9 @@ gradient written over the logits.
 One program per row walks the vocabulary twice in blocks of BLOCK_V columns:
 - pass 1 keeps the running maximum m (with the first column that reaches it, for L2Wrap) and the
   running sum s of exp(x - m), rescaled whenever m grows, so lse = m + log(s) comes out of one read;
+  it also picks the label's logit out of the block that holds it, so the loss is complete before
+  any gradient is written (pass 2 overwrites the row in place, and another warp of the program may
+  store over the label's column before a separate load of it would run);
 - pass 2 reads each block again and writes softmax - onehot(label) (+ L2WRAP_FACTOR * m at the
   arg-max column with L2Wrap) over it, in the logits' dtype, or 0 on an ignored row.
 Two reads and one write of the chunk, where the eager form (fp32 copy, logsumexp, exp, scatter,
@@ -34,6 +37,7 @@ def _cross_entropy_rows_kernel(
     m = float("-inf")
     s = 0.0
     arg = 0
+    picked = 0.0
     for start in range(0, V, BLOCK_V):
         idx = start + cols
         x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
@@ -44,9 +48,8 @@ def _cross_entropy_rows_kernel(
         m_new = tl.maximum(m, block_max)
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
         m = m_new
+        picked += tl.sum(tl.where(idx == label, x, 0.0), 0)
     lse = m + tl.log(s)
-    in_range = valid & (label >= 0) & (label < V)
-    picked = tl.load(base + label, mask=in_range, other=0.0).to(tl.float32)
     tl.store(loss + row, tl.where(valid, lse - picked, 0.0))
 
     if WRITE_GRAD:

@@ -34,7 +34,7 @@ class Job:
     dump_folder: str = field(default="outputs/flame", metadata={"nonempty": True})
     """Where the run writes config.toml, metrics.jsonl, logs and checkpoints."""
     seed: int = field(default=42, metadata={"ge": 0, "le": 2**32 - 1})
-    """Seed for model init, data order and dropout-free determinism."""
+    """Seed for model init, data order (unless data.seed is set) and dropout-free determinism."""
     deterministic: bool = False
     """Use deterministic algorithms (slower); needed for bitwise-reproducible GPU runs."""
     force_unlock: bool = False
@@ -138,6 +138,9 @@ class Data:
     allow_dp_resplit: bool = False
     """Resume on a different number of data-parallel ranks by re-splitting the data position
     (each source continues at the same fraction of its epoch)."""
+    seed: int = field(default=-1, metadata={"ge": -1, "le": 2**32 - 1})
+    """Seed of the data order (window shuffling, source sampling); -1 uses job.seed. Set it to
+    vary the model's init (job.seed) over runs that read the same batches."""
 
 
 @dataclass
@@ -202,7 +205,11 @@ class Optimizer:
     eps: float = field(default=1e-8, metadata={"gt": 0})
     """Adam epsilon."""
     weight_decay: float = field(default=0.1, metadata={"ge": 0})
-    """Decoupled weight decay; never applied to norms, biases, embeddings, mixing and decay vectors."""
+    """Decoupled weight decay of the linear layers' weights (the head included); never applied to
+    norms, biases, mixing and decay vectors or LoRA matrices, nor to embeddings unless
+    decay_embeddings."""
+    decay_embeddings: bool = False
+    """Apply weight_decay to the input embedding too, as RWKV-LM does (docs/rwkv-lm.md)."""
     implementation: str = field(default="foreach", metadata=one_of("fused", "foreach", "for-loop"))
     """"fused", "foreach" or "for-loop"."""
     decay_lr_multiplier: float = field(default=2.0, metadata={"ge": 0})
@@ -212,7 +219,10 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = field(default=200, metadata={"ge": 0})
-    """Linear warmup steps."""
+    """Linear warmup steps: the multiplier rises linearly to 1 at update warmup_steps."""
+    warmup_start: float = field(default=0.0, metadata={"ge": 0, "le": 1})
+    """LR multiplier of the first update; 0 means 1 / warmup_steps (the multiplier of update n is
+    n / warmup_steps). RWKV-LM's warmup of w steps is warmup_steps = w + 1, warmup_start = 0.01."""
     decay_type: str = field(default="cosine", metadata=one_of("cosine", "linear", "wsd"))
     """"cosine", "linear" or "wsd" (stable, then decay over the last decay_ratio of training)."""
     decay_ratio: float = field(default=0.1, metadata={"ge": 0, "le": 1})

@@ -55,6 +55,21 @@ def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: st
                        allow_dp_resplit=allow_dp_resplit)
 
 
+def build_job_dataloader(data, training, *, tokenizer, split: str, job_seed: int,
+                         dp_rank: int = 0, dp_world_size: int = 1) -> DataLoader:
+    """`build_dataloader` from a job's [data] and [training] sections (flame.config): the data
+    order's seed is data.seed, or job.seed when data.seed is -1."""
+    return build_dataloader(
+        dataset=data.dataset, data_files=data.data_files, text_field=data.text_field,
+        name=data.name, dataset_split=data.split, streaming=data.streaming,
+        val_fraction=data.val_fraction, num_workers=data.num_workers, sources=data.sources,
+        probs=data.probs, context_len=data.context_len, shard_dir=data.shard_dir,
+        allow_dp_resplit=data.allow_dp_resplit, varlen=training.varlen, tokenizer=tokenizer,
+        batch_size=training.batch_size, seq_len=training.seq_len, split=split,
+        seed=job_seed if data.seed < 0 else data.seed, dp_rank=dp_rank, dp_world_size=dp_world_size,
+    )
+
+
 def make_loader(streams, eod_id: int, *, probs, **kwargs) -> DataLoader:
     if probs and len(probs) != len(streams):
         raise DataError(f"data.probs has {len(probs)} entries for {len(streams)} sources")

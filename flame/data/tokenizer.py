@@ -1,4 +1,5 @@
-"""Loading the tokenizer: the embedded one, a tokenizer.json file, or a HF tokenizer directory."""
+"""Loading the tokenizer: the embedded one, a tokenizer.json file, a HF tokenizer directory, or
+the RWKV World tokenizer (the vocabulary of RWKV-LM and the official RWKV models)."""
 
 from __future__ import annotations
 
@@ -53,12 +54,69 @@ class Tokenizer:
         return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id})"
 
 
+RWKV_WORLD = "rwkv-world"
+"""`data.tokenizer` value of the RWKV World tokenizer that the `rwkv` package ships."""
+RWKV_WORLD_VOCAB_SIZE = 65536
+"""The model vocabulary of RWKV-LM's World models: ids 1-65529 are the vocabulary file's, 0 is the
+end of document, the rest is padding."""
+
+
+class RwkvWorldTokenizer(Tokenizer):
+    """The RWKV World tokenizer: greedy longest match over the UTF-8 bytes of the text, from a
+    `rwkv_vocab_v*.txt` file, through the `rwkv` package's TRIE_TOKENIZER (as RWKV-LM tokenizes
+    its data). Id 0 ends a document."""
+
+    def __init__(self, vocab_file: Path, source: str):
+        try:
+            from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+        except ImportError as err:
+            raise DataError(
+                f"data.tokenizer = {source!r} needs the rwkv package (pip install rwkv): {err}"
+            ) from err
+        self.backend = TRIE_TOKENIZER(str(vocab_file))
+        self.eod_id = 0
+        self.source = source
+        self.vocab_size = RWKV_WORLD_VOCAB_SIZE
+        self.fingerprint = hashlib.sha256(vocab_file.read_bytes()).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.backend.encode(text) for text in texts]
+
+    def decode(self, ids) -> str:
+        return self.backend.decodeBytes(list(ids)).decode("utf-8", errors="replace")
+
+
+def rwkv_world_vocab_file(path: str) -> Path | None:
+    """The vocabulary file that `path` names as the RWKV World tokenizer, or None: "rwkv-world"
+    (the file the `rwkv` package ships) or a path to a `rwkv_vocab_*.txt` file."""
+    if path == RWKV_WORLD:
+        try:
+            import rwkv
+        except ImportError as err:
+            raise DataError(f"data.tokenizer = {RWKV_WORLD!r} needs the rwkv package (pip install rwkv)") from err
+        return Path(rwkv.__file__).resolve().parent / "rwkv_vocab_v20230424.txt"
+    name = Path(path).name
+    if name.startswith("rwkv_vocab_") and name.endswith(".txt"):
+        if not Path(path).is_file():
+            raise DataError(f"RWKV World vocabulary file {path} does not exist")
+        return Path(path)
+    return None
+
+
 def load_tokenizer(path: str = "") -> Tokenizer:
-    """Load a tokenizer: "" is the embedded one; else a tokenizer.json or a directory holding one.
+    """Load a tokenizer: "" is the embedded one; "rwkv-world" or a `rwkv_vocab_*.txt` path is the
+    RWKV World tokenizer; else a tokenizer.json or a directory holding one.
 
     A directory's tokenizer_config.json names the end-of-document token (`eos_token`); otherwise
     the first of EOD_CANDIDATES present in the vocabulary is used.
     """
+    world_vocab = rwkv_world_vocab_file(path) if path else None
+    if world_vocab is not None:
+        return RwkvWorldTokenizer(world_vocab, path)
+
     from tokenizers import Tokenizer as Backend
 
     file = Path(path) if path else EMBEDDED_TOKENIZER

@@ -1,5 +1,8 @@
 """Learning-rate schedule: linear warmup, then cosine, linear or WSD decay down to lr_min.
 
+The warmup rises linearly from `warmup_start` (by default 1 / warmup_steps) at the first update
+to 1 at update `warmup_steps`.
+
 The schedule is a multiplier of each param group's own LR (so per-group multipliers such as the
 decay-bias 2x keep their ratio). `lr_min` is absolute for the base LR: the multiplier ends at
 lr_min / lr. The multiplier of step s (0-based count of optimizer updates done so far) is the LR
@@ -20,6 +23,7 @@ def lr_multiplier(
     step: int,
     *,
     warmup_steps: int,
+    warmup_start: float = 0.0,
     total_steps: int,
     decay_type: str,
     decay_ratio: float,
@@ -31,7 +35,9 @@ def lr_multiplier(
     n = step + 1  # 1-based index of the update this LR is used for
     warmup_steps = min(warmup_steps, total_steps)
     if n <= warmup_steps:
-        return n / warmup_steps
+        if warmup_start <= 0 or warmup_steps == 1:
+            return n / warmup_steps
+        return warmup_start + (1.0 - warmup_start) * (n - 1) / (warmup_steps - 1)
     if decay_type == "wsd":
         decay_steps = max(1, round(total_steps * decay_ratio))
         decay_start = max(warmup_steps, total_steps - decay_steps)
@@ -57,6 +63,7 @@ def build_lr_scheduler(optimizer: Optimizer, cfg, total_steps: int, peak_lr: flo
         return lr_multiplier(
             step,
             warmup_steps=cfg.warmup_steps,
+            warmup_start=cfg.warmup_start,
             total_steps=total_steps,
             decay_type=cfg.decay_type,
             decay_ratio=cfg.decay_ratio,

@@ -1,9 +1,11 @@
 """AdamW with the RWKV parameter groups.
 
-Weight decay applies exactly to the `.weight` of `nn.Linear` modules (docs/architecture.md);
-never to embeddings, norms, biases or free parameters (mixing vectors, decay bias, bonus). The
+Weight decay applies exactly to the `.weight` of `nn.Linear` modules (docs/architecture.md), and
+to the input embedding with `decay_embeddings` (RWKV-LM decays it: docs/rwkv-lm.md); never to
+norms, biases or free parameters (mixing vectors, decay bias, bonus, LoRA matrices). The
 RWKV decay bias (`time_decay` in RWKV6, `w0` in RWKV7) gets `decay_lr_multiplier` times the LR.
-A tied head shares its weight with the embedding, so that weight is not decayed.
+A tied head shares its weight with the embedding, so that weight is decayed only with
+`decay_embeddings`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ DECAY_BIAS_NAMES = ("time_decay", "w0")
 IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 
 
-def split_param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def split_param_groups(model: nn.Module, decay_embeddings: bool = False
+                       ) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Named trainable parameters split into "decay", "no_decay" and "decay_bias" groups."""
     embedding_weights = {
         id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
@@ -25,6 +28,8 @@ def split_param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Paramet
         for m in model.modules()
         if isinstance(m, nn.Linear) and id(m.weight) not in embedding_weights
     }
+    if decay_embeddings:
+        linear_weights |= embedding_weights
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {
         "decay": [], "no_decay": [], "decay_bias": []
     }
@@ -58,7 +63,7 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
         "decay_bias": (0.0, cfg.decay_lr_multiplier),
     }
     param_groups = []
-    for group_name, named in split_param_groups(model).items():
+    for group_name, named in split_param_groups(model, cfg.decay_embeddings).items():
         if not named:
             continue
         weight_decay, multiplier = settings[group_name]

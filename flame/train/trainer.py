@@ -31,7 +31,7 @@ from torch import use_deterministic_algorithms
 from torch.distributed.checkpoint.stateful import Stateful
 
 from flame.config import to_toml
-from flame.data import build_dataloader, load_tokenizer
+from flame.data import build_job_dataloader, load_tokenizer
 from flame.models import build_model
 from flame.train import fault_injection
 from flame.ops.checks import value_checks_off
@@ -190,17 +190,10 @@ class Trainer(Stateful):
 
     def build_dataloader(self, split: str):
         """This rank's loader of the "train" split or of the held-out "validation" split."""
-        cfg = self.cfg
-        return build_dataloader(
-            dataset=cfg.data.dataset, data_files=cfg.data.data_files, text_field=cfg.data.text_field,
-            name=cfg.data.name, dataset_split=cfg.data.split, streaming=cfg.data.streaming,
-            val_fraction=cfg.data.val_fraction, num_workers=cfg.data.num_workers,
-            sources=cfg.data.sources, probs=cfg.data.probs, context_len=cfg.data.context_len,
-            shard_dir=cfg.data.shard_dir, allow_dp_resplit=cfg.data.allow_dp_resplit,
-            varlen=cfg.training.varlen, tokenizer=self.tokenizer, batch_size=cfg.training.batch_size,
-            seq_len=cfg.training.seq_len, split=split, seed=cfg.job.seed,
-            dp_rank=self.parallel.dp_rank, dp_world_size=self.parallel.dp_world_size,
-        )
+        return build_job_dataloader(
+            self.cfg.data, self.cfg.training, tokenizer=self.tokenizer, split=split,
+            job_seed=self.cfg.job.seed, dp_rank=self.parallel.dp_rank,
+            dp_world_size=self.parallel.dp_world_size)
 
     def materialize(self, model: torch.nn.Module) -> torch.nn.Module:
         """The meta-device `model` parallelised (AC, compile, FSDP), on the device, initialised."""

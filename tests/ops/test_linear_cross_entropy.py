@@ -254,3 +254,25 @@ def test_gpu_bf16_340M_head_matches_the_plain_loss_and_uses_less_memory(l2wrap):
         err = ((g.float() - w.float()).norm() / w.float().norm()).item()
         assert err < 1e-2, f"relative error {err:.2e}"
     assert fused_peak < 0.5 * plain_peak, f"fused peak {fused_peak / 2**30:.2f} GiB, plain {plain_peak / 2**30:.2f} GiB"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_rows_loss_is_the_same_with_and_without_the_gradient_over_many_launches(dtype):
+    """The row kernel writes the gradient over the logits in place: every launch must give the loss
+    that the launch without the gradient gives, bit for bit (a row's loss taken from a column that
+    another warp had already overwritten with its gradient would differ by nats)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(4096, 32000, device="cuda", generator=gen).mul_(3).to(dtype)
+    labels = torch.randint(0, 32000, (4096,), device="cuda", generator=gen)
+    labels[::97] = -100
+    expected, _ = cross_entropy_rows_triton(logits, labels, l2wrap=True, need_grad=False)
+    work = torch.empty_like(logits)
+    mismatched = []
+    for launch in range(1000):
+        work.copy_(logits)
+        loss, _ = cross_entropy_rows_triton(work, labels, l2wrap=True, need_grad=True)
+        if not torch.equal(loss, expected):
+            rows = torch.nonzero(loss != expected).flatten().tolist()
+            mismatched.append((launch, rows[:4], (loss - expected).abs().max().item()))
+    assert not mismatched, f"{len(mismatched)} of 1000 launches differ: {mismatched[:5]}"

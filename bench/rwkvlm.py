@@ -1,0 +1,546 @@
+"""RWKV-LM's own RWKV7 trainer step, run beside flame's on the same weights and the same batches.
+
+    python -m bench.rwkvlm init  --config configs/rwkv7_rwkvlm_demo.toml --seed 0 --out init.pth
+    python -m bench.rwkvlm train --config configs/rwkv7_rwkvlm_demo.toml --init init.pth --out DIR
+    python -m bench.rwkvlm report RUN [RUN ...] --out curves.png
+
+RWKV-LM (BlinkDL/RWKV-LM at commit RWKVLM_COMMIT, its `RWKV-v7/train_temp`) is never part of
+flame: put a checkout in `.rwkvlm/RWKV-LM` (ignored by git) or name one with FLAME_RWKVLM_DIR.
+What runs is RWKV-LM's code, not a re-implementation of it:
+- its model class `src.model.RWKV` with its CUDA kernels (compiled on first use by its own
+  `torch.utils.cpp_extension.load` calls; the chunked attention is its `rwkv7_clampw_v3` "@rwkv3"
+  H100 kernel), its `training_step` (L2Wrap + cross-entropy kernel), `generate_init_weight`
+  (the initial weights) and `configure_optimizers` (its parameter groups: decay on every `.weight`
+  matrix, the embedding and head included, `att.w0` at 2x LR);
+- its LR schedule, `train_callback.on_train_batch_start` (warmup from 1%, cosine to lr_final
+  over `my_exit_tokens`), called before every step as PyTorch Lightning calls it.
+Two pieces of its trainer are stood in for, because its DeepSpeed / Lightning stack is not
+installed where the comparison runs: DeepSpeed's bf16 ZeRO stage 2 on one GPU, which keeps the
+model in bf16 and fp32 master weights in the optimizer, becomes `MasterWeightAdamW` (the same
+arithmetic: bf16 gradients copied to fp32, clipped by global norm, AdamW on the fp32 masters with
+RWKV-LM's groups, masters rounded back into the bf16 model); and Lightning's loop becomes
+`RwkvLmTrainer.step`. The batches come from flame's own data loader for the same config, so
+both trainers read the same tokens in the same order (docs/rwkv-lm.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+RWKVLM_COMMIT = "524481d"
+"""The RWKV-LM commit the comparison was made with (`git -C RWKV-LM checkout 524481d`)."""
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / ".rwkvlm" / "RWKV-LM"
+TRAIN_TEMP = Path("RWKV-v7") / "train_temp"
+
+
+class RwkvLmMissing(RuntimeError):
+    """No RWKV-LM checkout (or no GPU) to run its trainer on."""
+
+
+def rwkvlm_dir() -> Path:
+    """The RWKV-v7/train_temp folder of the RWKV-LM checkout (FLAME_RWKVLM_DIR or .rwkvlm/RWKV-LM)."""
+    root = Path(os.environ.get("FLAME_RWKVLM_DIR", DEFAULT_DIR))
+    folder = root / TRAIN_TEMP
+    if not (folder / "src" / "model.py").is_file():
+        raise RwkvLmMissing(
+            f"no RWKV-LM checkout at {root} (looked for {TRAIN_TEMP}/src/model.py): clone "
+            f"https://github.com/BlinkDL/RWKV-LM, check out {RWKVLM_COMMIT}, and put it there or "
+            "set FLAME_RWKVLM_DIR")
+    return folder
+
+
+def rwkvlm_args(model_cfg, training_cfg, optimizer_cfg, scheduler_cfg, steps: int) -> SimpleNamespace:
+    """The argument namespace RWKV-LM's train.py builds, for flame's config sections (its demo
+    flags: x070, head 64, bf16, one GPU, deepspeed stage 2, no gradient checkpointing)."""
+    real_bsz = training_cfg.batch_size * training_cfg.gradient_accumulation_steps
+    return SimpleNamespace(
+        my_testing="x070", n_layer=model_cfg.num_layers, n_embd=model_cfg.hidden_size,
+        dim_att=model_cfg.hidden_size, dim_ffn=int((model_cfg.hidden_size * 3.5) // 32 * 32),
+        vocab_size=model_cfg.vocab_size, head_size=model_cfg.head_dim, ctx_len=training_cfg.seq_len,
+        micro_bsz=training_cfg.batch_size, real_bsz=real_bsz, grad_cp=0, head_chunk=0,
+        lr_init=optimizer_cfg.lr, lr_final=scheduler_cfg.lr_min,
+        warmup_steps=scheduler_cfg.warmup_steps - 1 if scheduler_cfg.warmup_start > 0 else scheduler_cfg.warmup_steps,
+        betas=tuple(optimizer_cfg.betas), adam_eps=optimizer_cfg.eps,
+        weight_decay=optimizer_cfg.weight_decay, grad_clip=training_cfg.max_norm,
+        # the cosine ends after `steps` updates: RWKV-LM's exit point in tokens
+        my_exit_tokens=steps * training_cfg.seq_len * real_bsz, magic_prime=0,
+        epoch_begin=0, epoch_steps=1, epoch_save=0, proj_dir="", strategy="deepspeed_stage_2",
+        accelerator="GPU", precision="bf16", train_stage=3, load_model="", wandb="",
+        my_timestamp="", data_type="binidx",
+    )
+
+
+def set_rwkvlm_environment(head_size: int, ctx_len: int, kernel: str, jit: bool) -> None:
+    """The environment variables RWKV-LM's train.py sets before it imports its model."""
+    os.environ.update({
+        "RWKV_MY_TESTING": "x070", "RWKV_KERNEL": kernel, "RWKV_CTXLEN": str(ctx_len),
+        "RWKV_HEAD_SIZE": str(head_size), "RWKV_HEAD_L2WRAP_CE_CHUNK": "0",
+        "RWKV_FLOAT_MODE": "bf16", "RWKV_JIT_ON": "1" if jit else "0",
+    })
+
+
+class _Built(Exception):
+    """Raised by `_build_one` once its extension is built, to end the import there."""
+
+
+def _build_one(index: int | None, kernel: str) -> int:
+    """Import RWKV-LM's model with every `cpp_extension.load` call but number `index` (and the
+    registrations that need the built ops) skipped; build that one, then stop. With index None,
+    build nothing and return the number of load calls."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    set_rwkvlm_environment(64, 512, kernel, jit=True)
+    calls = []
+    real_load = cpp_extension.load
+
+    def load(*args, **kwargs):
+        calls.append(kwargs.get("name"))
+        if index is not None and len(calls) - 1 == index:
+            real_load(*args, **kwargs)
+            raise _Built
+        return SimpleNamespace()
+
+    cpp_extension.load = load
+    torch.library.register_autograd = lambda *a, **k: None
+    torch.jit.script = lambda fn, *a, **k: fn
+    folder = rwkvlm_dir()
+    sys.path.insert(0, str(folder))
+    os.chdir(folder)
+    try:
+        import src.model  # noqa: F401
+    except _Built:
+        pass
+    return len(calls)
+
+
+def build_kernels(kernel: str = "@rwkv3", log=print) -> None:
+    """Build RWKV-LM's CUDA extensions (in TORCH_EXTENSIONS_DIR) in parallel processes, one per
+    `load` call of its model module, so that importing the model afterwards finds them built
+    (its own import builds them one after the other)."""
+    import subprocess
+
+    def child(index) -> subprocess.Popen:
+        code = f"import bench.rwkvlm as r; print(r._build_one({index}, {kernel!r}))"
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[1])
+
+    counter = child(None)
+    output, _ = counter.communicate()
+    count = int(output.strip().splitlines()[-1])
+    start = time.time()
+    children = [child(i) for i in range(count)]
+    for i, proc in enumerate(children):
+        output, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"building RWKV-LM's extension {i} failed:\n{output[-3000:]}")
+    log(f"built RWKV-LM's {count} CUDA extensions in {time.time() - start:.0f} s")
+
+
+def import_rwkvlm(head_size: int, ctx_len: int, *, kernel: str = "@rwkv3", jit: bool = True):
+    """RWKV-LM's `src.model` and `src.trainer` modules, imported as its train.py imports them (its
+    environment variables set first; its CUDA extensions built from its `cuda/` folder)."""
+    if not torch.cuda.is_available():
+        raise RwkvLmMissing("RWKV-LM's trainer needs a CUDA GPU")
+    folder = rwkvlm_dir()
+    set_rwkvlm_environment(head_size, ctx_len, kernel, jit)
+    cwd = os.getcwd()
+    sys.path.insert(0, str(folder))
+    try:
+        os.chdir(folder)  # its load() calls name the sources relative to train_temp
+        import src.model as model_module
+        import src.trainer as trainer_module
+    finally:
+        os.chdir(cwd)
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return model_module, trainer_module
+
+
+class MasterWeightAdamW:
+    """DeepSpeed's bf16 ZeRO-2 optimizer on one GPU, as RWKV-LM's trainer runs it: the model's
+    parameters are bf16; the optimizer keeps fp32 masters of them, takes the bf16 gradients as
+    fp32, clips them by their global norm, runs AdamW (bias-corrected, decoupled weight decay, as
+    DeepSpeed's FusedAdam in adam_w_mode) on the masters, and rounds the masters into the model.
+
+    Its constructor takes FusedAdam's arguments, so RWKV-LM's `configure_optimizers` builds it."""
+
+    def __init__(self, optim_groups, lr, betas, eps, bias_correction=True, adam_w_mode=True,
+                 amsgrad=False, weight_decay=0.0):
+        if not bias_correction or amsgrad:
+            raise ValueError("MasterWeightAdamW: RWKV-LM's groups use bias correction, no amsgrad")
+        self.model_params = [list(g["params"]) for g in optim_groups]
+        groups = []
+        for group in optim_groups:
+            masters = [p.detach().float().clone() for p in group["params"]]
+            groups.append({**group, "params": masters,
+                           "weight_decay": group.get("weight_decay", weight_decay) if adam_w_mode else 0.0})
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        self.param_groups = self.optimizer.param_groups
+        self.grad_clip = 0.0
+
+    def masters(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def step(self) -> torch.Tensor:
+        """One update from the model's gradients; returns the global gradient norm (before clipping)."""
+        for model_params, group in zip(self.model_params, self.optimizer.param_groups):
+            for p, master in zip(model_params, group["params"]):
+                master.grad = p.grad.float() if p.grad is not None else torch.zeros_like(master)
+        masters = self.masters()
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(masters, self.grad_clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([m.grad for m in masters], foreach=True)
+        self.optimizer.step()
+        with torch.no_grad():
+            for model_params, group in zip(self.model_params, self.optimizer.param_groups):
+                torch._foreach_copy_(model_params, group["params"])
+        for params in self.model_params:
+            for p in params:
+                p.grad = None
+        for m in masters:
+            m.grad = None
+        return norm
+
+
+class RwkvLmTrainer:
+    """RWKV-LM's model, optimizer groups, schedule and training step for flame's config sections."""
+
+    def __init__(self, cfg, init_path: str | Path, steps: int, *, kernel: str = "@rwkv3", jit: bool = True):
+        self.args = rwkvlm_args(cfg.model, cfg.training, cfg.optimizer, cfg.lr_scheduler, steps)
+        self.model_module, self.trainer_module = import_rwkvlm(cfg.model.head_dim, cfg.training.seq_len,
+                                                               kernel=kernel, jit=jit)
+        model = self.model_module.RWKV(self.args)
+        state = torch.load(init_path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state)
+        self.model = model.cuda().bfloat16()  # DeepSpeed bf16: the module itself is bf16
+        self.model.train()
+        self.model_module.FusedAdam = MasterWeightAdamW  # what configure_optimizers constructs
+        self.lightning = SimpleNamespace(is_global_zero=False, strategy=None, global_step=0,
+                                         optimizers=[], my_lr=0.0, my_wd=0.0)
+        self.model._trainer = self.lightning
+        with contextlib.redirect_stdout(sys.stderr):  # it prints its groups
+            self.optimizer = self.model.configure_optimizers()
+        self.optimizer.grad_clip = self.args.grad_clip
+        self.lightning.optimizers = [self.optimizer]
+        self.callback = self.trainer_module.train_callback(self.args)
+
+    def set_lr(self, step: int) -> float:
+        """RWKV-LM's LR for update `step` (0-based), set on every group as its callback does."""
+        self.lightning.global_step = step
+        self.callback.on_train_batch_start(self.lightning, self.model, None, step)
+        return self.lightning.my_lr
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Its training_step's loss (mean CE with L2Wrap's gradient) and its backward."""
+        loss = self.model.training_step((input_ids.cuda(), labels.cuda()), 0)
+        loss.backward()
+        return loss.detach()
+
+    def step(self, step: int, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+        lr = self.set_lr(step)
+        loss = self.forward_backward(input_ids, labels)
+        norm = self.optimizer.step()
+        return {"loss": loss, "grad_norm": norm, "lr": lr}
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by RWKV-LM name."""
+        ids = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for params, group in zip(self.optimizer.model_params, self.optimizer.param_groups):
+            for p, master in zip(params, group["params"]):
+                out[ids[id(p)]] = master
+        return out
+
+
+def write_init(cfg, seed: int, out: str | Path) -> None:
+    """RWKV-LM's initial weights for the config's model shape: `generate_init_weight` after
+    seeding torch with `seed` (train.py's --random_seed), saved as its train.py saves them (bf16)."""
+    args = rwkvlm_args(cfg.model, cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
+    model_module, _ = import_rwkvlm(cfg.model.head_dim, cfg.training.seq_len)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+    model = model_module.RWKV(args)
+    with contextlib.redirect_stdout(sys.stderr):
+        weights = model.generate_init_weight()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, out)
+
+
+def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (0 when both are 0)."""
+    a, b = a.double(), b.double()
+    denominator = b.norm().item()
+    difference = (a - b).norm().item()
+    return difference / denominator if denominator > 0 else difference
+
+
+def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    """flame's and RWKV-LM's training step from the same weights on the same batch.
+
+    flame's side is its one-GPU step: fp32 weights under bf16 autocast, the fused head with
+    L2Wrap, `build_optimizer` and `build_lr_scheduler` of the config, `clip_grad_norm`. Returns
+    the losses, per-tensor relative RMS of the gradients, of the parameters after one update
+    from each trainer's own gradients ("step"), and after one update of flame's optimizer from
+    RWKV-LM's gradients ("optimizer": the hyperparameters, groups, LR and clipping alone), each
+    keyed by RWKV-LM name."""
+    from flame.train.gradients import clip_grad_norm
+    from flame.train.lr_schedule import build_lr_scheduler
+    from flame.train.optimizer import build_optimizer
+    from flame.weights.foreign import read_exported
+    from flame.weights.load import build_with_weights
+    from flame.weights.rwkv_names import from_rwkv, to_rwkv
+
+    reference = RwkvLmTrainer(cfg, init, cfg.training.steps)
+    lr = reference.set_lr(0)
+    loss_reference = reference.forward_backward(input_ids, labels).float().item()
+    reference_grads = {n: p.grad.float().clone() for n, p in reference.model.named_parameters()
+                       if p.grad is not None}
+    reference.optimizer.step()
+    reference_masters = {n: m.detach().clone() for n, m in reference.master_state().items()}
+    del reference
+
+    model_args, state, _ = read_exported(init)
+    model = build_with_weights(model_args, {k: v.float() for k, v in state.items()}, torch.float32,
+                               "cuda").train()
+    family, tied = model_args.family, model_args.tie_word_embeddings
+
+    def rwkv_named(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return to_rwkv(tensors, family, tied)
+
+    def flame_step(grads_from: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        optimizer = build_optimizer(model, cfg.optimizer)
+        scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr)
+        if grads_from is not None:
+            for name, p in model.named_parameters():
+                p.grad = grads_from[name].to(p.dtype).reshape(p.shape).clone()
+        clip_grad_norm(model.named_parameters(), cfg.training.max_norm)
+        optimizer.step()
+        scheduler.step()
+        return rwkv_named({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    n_tokens = int((labels != -100).sum())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids.cuda(), labels=labels.cuda(), loss_scale=1.0 / n_tokens)
+    loss.backward()
+    flame_grads = rwkv_named({n: p.grad.float().clone() for n, p in model.named_parameters()})
+    after_own = flame_step(None)
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(start[name])
+    _, reference_in_flame_names = from_rwkv(reference_grads, family)
+    for name, p in model.named_parameters():
+        reference_in_flame_names.setdefault(name, torch.zeros_like(p))
+    after_reference_grads = flame_step(reference_in_flame_names)
+
+    compared = [n for n in reference_grads if n in flame_grads]
+    return {
+        "lr": lr,
+        "loss": {"flame": float(loss.item()), "rwkvlm": loss_reference,
+                 "relative": abs(float(loss.item()) - loss_reference) / loss_reference},
+        "grad": {n: relative_rms(flame_grads[n].reshape(reference_grads[n].shape), reference_grads[n])
+                 for n in compared},
+        "step": {n: relative_rms(after_own[n].reshape(reference_masters[n].shape), reference_masters[n])
+                 for n in compared},
+        "optimizer": {n: relative_rms(after_reference_grads[n].reshape(reference_masters[n].shape),
+                                      reference_masters[n]) for n in compared},
+        "not_compared": sorted(set(reference_masters) - set(compared)),
+    }
+
+
+def job_config(config: str, overrides: list[str]):
+    from flame.config import load_config
+
+    return load_config(["--config", config, *overrides])
+
+
+def first_batch(cfg) -> dict[str, torch.Tensor]:
+    """The first training batch of flame's loader for `cfg`."""
+    from flame.data import build_job_dataloader, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    loader = build_job_dataloader(cfg.data, cfg.training, tokenizer=tokenizer, split="train",
+                                  job_seed=cfg.job.seed)
+    return next(iter(loader))
+
+
+def parity_table(result: dict) -> str:
+    """The one-step comparison as text: losses, then the worst tensors of each measure."""
+    loss = result["loss"]
+    lines = [f"lr of update 1: {result['lr']:.3e}",
+             f"loss: flame {loss['flame']:.6f}  RWKV-LM {loss['rwkvlm']:.6f}  relative {loss['relative']:.2e}"]
+    for key, title in (("grad", "gradients"), ("step", "parameters after one update, own gradients"),
+                       ("optimizer", "parameters after one update from RWKV-LM's gradients")):
+        worst = sorted(result[key].items(), key=lambda kv: -kv[1])
+        lines.append(f"{title}: relative RMS, worst of {len(worst)}: "
+                     + ", ".join(f"{n} {v:.2e}" for n, v in worst[:4]))
+    return "\n".join(lines)
+
+
+def train(cfg, init: str, out: Path, steps: int, *, kernel: str, jit: bool, log=print) -> list[dict]:
+    """RWKV-LM's trainer for `steps` updates on the batches of flame's loader for `cfg`; writes
+    `out/metrics.jsonl` with flame's keys (step, loss, lr, grad_norm, tokens, tokens_per_s)."""
+    from flame.data import build_job_dataloader, load_tokenizer
+
+    if cfg.training.gradient_accumulation_steps != 1:
+        raise SystemExit("bench.rwkvlm train: gradient accumulation is not part of RWKV-LM's demo step")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    loader = build_job_dataloader(cfg.data, cfg.training, tokenizer=tokenizer, split="train",
+                                  job_seed=cfg.job.seed)
+    trainer = RwkvLmTrainer(cfg, init, steps, kernel=kernel, jit=jit)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
+    batches = iter(loader)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    with (out / "metrics.jsonl").open("w") as f:
+        for step in range(steps):
+            batch = next(batches)
+            start.record()
+            result = trainer.step(step, batch["input_ids"], batch["labels"])
+            end.record()
+            loss = float(result["loss"])  # RWKV-LM's logger reads the loss every step too
+            seconds = start.elapsed_time(end) / 1e3
+            row = {"step": step + 1, "loss": loss, "lr": result["lr"],
+                   "grad_norm": float(result["grad_norm"]), "tokens": (step + 1) * tokens_per_step,
+                   "tokens_per_s": tokens_per_step / seconds,
+                   "tokens_per_s_per_device": tokens_per_step / seconds,
+                   "memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            if (step + 1) % 100 == 0 or step == 0:
+                f.flush()
+                log(f"rwkvlm step {step + 1}: loss {loss:.4f} lr {result['lr']:.2e} "
+                    f"gnorm {row['grad_norm']:.3f} tok/s {row['tokens_per_s']:,.0f}")
+    return rows
+
+
+def tail_mean(rows: list[dict], fraction: float = 0.1) -> float:
+    """Mean loss over the last `fraction` of the logged steps."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    last = rows[-max(1, math.ceil(len(rows) * fraction)):]
+    return sum(r["loss"] for r in last) / len(last)
+
+
+def median_speed(rows: list[dict], skip: int = 10) -> float:
+    speeds = sorted(r["tokens_per_s_per_device"] for r in rows[skip:] if "tokens_per_s_per_device" in r)
+    return speeds[len(speeds) // 2] if speeds else float("nan")
+
+
+def report(runs: list[Path], out: Path | None, smooth: int = 20) -> str:
+    """A Markdown table of each run's steps, tokens, tail-mean loss and median tokens/s, and
+    (with `out`) a PNG of the smoothed loss curves."""
+    from bench.metrics import read_metrics
+
+    lines = ["| run | steps | tokens | mean loss, last 10% | median tokens/s | peak GiB |",
+             "|---|---|---|---|---|---|"]
+    curves = {}
+    for run in runs:
+        path = run / "metrics.jsonl" if run.is_dir() else run
+        rows = sorted({r["step"]: r for r in read_metrics(path) if "loss" in r}.values(),
+                      key=lambda r: r["step"])
+        name = path.parent.name
+        curves[name] = rows
+        memory = max((r.get("memory_gib", r.get("max_memory_gib", 0.0)) or 0.0) for r in rows)
+        lines.append(f"| {name} | {rows[-1]['step']} | {rows[-1].get('tokens', 0):,} | "
+                     f"{tail_mean(rows):.4f} | {median_speed(rows):,.0f} | {memory:.1f} |")
+    if out is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for name, rows in curves.items():
+            steps = [r["step"] for r in rows]
+            losses = [r["loss"] for r in rows]
+            k = min(smooth, len(losses))
+            smoothed = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
+                        for i in range(len(losses))]
+            ax.plot(steps, smoothed, label=name, linewidth=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss (mean of the last {smooth} steps)")
+        ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_init = sub.add_parser("init", help="write RWKV-LM's initial weights (.pth)")
+    p_train = sub.add_parser("train", help="train with RWKV-LM's step on flame's batches")
+    for p in (p_init, p_train):
+        p.add_argument("--config", required=True, help="flame config; other --section.key VALUE "
+                       "arguments override it, e.g. --model.num_layers 24")
+    p_init.add_argument("--seed", type=int, default=0)
+    p_init.add_argument("--out", required=True)
+    p_train.add_argument("--init", required=True, help="the .pth to start from")
+    p_train.add_argument("--out", required=True, help="folder for metrics.jsonl")
+    p_train.add_argument("--steps", type=int, default=0, help="updates (default: training.steps)")
+    p_train.add_argument("--kernel", default="@rwkv3", help='RWKV-LM\'s --kernel ("" = rwkv7_clampw)')
+    p_train.add_argument("--no-jit", action="store_true", help="RWKV_JIT_ON=0")
+    p_parity = sub.add_parser("parity", help="one step of both trainers from the same weights and batch")
+    p_parity.add_argument("--config", required=True)
+    p_parity.add_argument("--seed", type=int, default=0, help="RWKV-LM init seed")
+    p_parity.add_argument("--json", type=Path, default=None, help="write every number here too")
+    p_build = sub.add_parser("build", help="build RWKV-LM's CUDA extensions in parallel")
+    p_build.add_argument("--kernel", default="@rwkv3")
+    p_report = sub.add_parser("report", help="table and PNG of runs' curves")
+    p_report.add_argument("runs", nargs="+", type=Path)
+    p_report.add_argument("--out", type=Path, default=None)
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and args.command == "report":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.set = overrides
+    try:
+        if args.command == "init":
+            write_init(job_config(args.config, args.set), args.seed, args.out)
+            print(f"wrote RWKV-LM's initial weights (seed {args.seed}) to {args.out}")
+        elif args.command == "train":
+            cfg = job_config(args.config, args.set)
+            t0 = time.time()
+            rows = train(cfg, args.init, Path(args.out), args.steps or cfg.training.steps,
+                         kernel=args.kernel, jit=not args.no_jit)
+            print(f"RWKV-LM: {len(rows)} steps in {time.time() - t0:.0f} s, mean loss of the last "
+                  f"10% {tail_mean(rows):.4f}, median {median_speed(rows):,.0f} tokens/s")
+        elif args.command == "build":
+            build_kernels(args.kernel)
+        elif args.command == "parity":
+            import tempfile
+
+            cfg = job_config(args.config, args.set)
+            batch = first_batch(cfg)
+            with tempfile.TemporaryDirectory() as folder:
+                init = Path(folder) / "init.pth"
+                write_init(cfg, args.seed, init)
+                result = one_step_parity(cfg, init, batch["input_ids"], batch["labels"])
+            if args.json is not None:
+                args.json.write_text(json.dumps(result, indent=1))
+            print(parity_table(result))
+        else:
+            print(report(args.runs, args.out))
+    except RwkvLmMissing as err:
+        raise SystemExit(f"bench.rwkvlm: {err}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -271,7 +271,9 @@ def write_init(cfg, seed: int, out: str | Path) -> None:
     model_module, _ = import_rwkvlm(cfg.model.head_dim, cfg.training.seq_len)
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
-    model = model_module.RWKV(args)
+    # On the GPU, so that the orthogonal init of the head (a QR of a vocab x width matrix, done on
+    # whatever device the parameter is on) is not a many-threaded CPU QR.
+    model = model_module.RWKV(args).cuda()
     with contextlib.redirect_stdout(sys.stderr):
         weights = model.generate_init_weight()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -294,7 +296,10 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
     the losses, per-tensor relative RMS of the gradients, of the parameters after one update
     from each trainer's own gradients ("step"), and after one update of flame's optimizer from
     RWKV-LM's gradients ("optimizer": the hyperparameters, groups, LR and clipping alone), each
-    keyed by RWKV-LM name."""
+    keyed by RWKV-LM name; and for the tensors that start at zero, the fraction of elements whose
+    first update has opposite signs in the two trainers ("zero_start_sign_flips": AdamW's first
+    update is lr x sign(gradient) per element, so there the relative RMS of the parameters
+    measures sign disagreements of near-zero gradients, not the size of the update)."""
     from flame.train.gradients import clip_grad_norm
     from flame.train.lr_schedule import build_lr_scheduler
     from flame.train.optimizer import build_optimizer
@@ -347,6 +352,16 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
     after_reference_grads = flame_step(reference_in_flame_names)
 
     compared = [n for n in reference_grads if n in flame_grads]
+    initial = torch.load(init, map_location="cpu", weights_only=True)
+    zero_start = [n for n in compared if not initial[n].any()]
+
+    def sign_flips(name: str) -> float:
+        """Fraction of elements whose update has the other sign in the other trainer."""
+        start_value = initial[name].float().cuda().reshape(reference_masters[name].shape)
+        ours = torch.sign(after_own[name].reshape(start_value.shape) - start_value)
+        theirs = torch.sign(reference_masters[name] - start_value)
+        return (ours != theirs).float().mean().item()
+
     return {
         "lr": lr,
         "loss": {"flame": float(loss.item()), "rwkvlm": loss_reference,
@@ -357,6 +372,7 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
                  for n in compared},
         "optimizer": {n: relative_rms(after_reference_grads[n].reshape(reference_masters[n].shape),
                                       reference_masters[n]) for n in compared},
+        "zero_start_sign_flips": {n: sign_flips(n) for n in zero_start},
         "not_compared": sorted(set(reference_masters) - set(compared)),
     }
 
@@ -383,7 +399,8 @@ def parity_table(result: dict) -> str:
     lines = [f"lr of update 1: {result['lr']:.3e}",
              f"loss: flame {loss['flame']:.6f}  RWKV-LM {loss['rwkvlm']:.6f}  relative {loss['relative']:.2e}"]
     for key, title in (("grad", "gradients"), ("step", "parameters after one update, own gradients"),
-                       ("optimizer", "parameters after one update from RWKV-LM's gradients")):
+                       ("optimizer", "parameters after one update from RWKV-LM's gradients"),
+                       ("zero_start_sign_flips", "zero-start tensors, fraction of opposite first updates")):
         worst = sorted(result[key].items(), key=lambda kv: -kv[1])
         lines.append(f"{title}: relative RMS, worst of {len(worst)}: "
                      + ", ".join(f"{n} {v:.2e}" for n, v in worst[:4]))

@@ -47,6 +47,13 @@ def test_one_step_of_flame_equals_rwkvlms_trainer(tmp_path):
     # equal up to fp32 rounding.
     worst = max(result["optimizer"], key=result["optimizer"].get)
     assert result["optimizer"][worst] <= 1e-5, (worst, result["optimizer"][worst])
-    worst = max(result["step"], key=result["step"].get)
-    assert result["step"][worst] <= 2e-2, (worst, result["step"][worst])
+    # After one update from each trainer's own gradients. A tensor that starts at zero holds
+    # -lr x sign(gradient) after AdamW's first update, so there the two trainers differ where a
+    # near-zero gradient's sign differs: bounded as a fraction of elements (docs/rwkv-lm.md).
+    nonzero_start = {n: v for n, v in result["step"].items() if n not in result["zero_start_sign_flips"]}
+    worst = max(nonzero_start, key=nonzero_start.get)
+    assert nonzero_start[worst] <= 2e-2, (worst, nonzero_start[worst])
+    flips = result["zero_start_sign_flips"]
+    worst = max(flips, key=flips.get)
+    assert flips[worst] <= 1e-2, (worst, flips[worst])
     assert set(result["not_compared"]) <= {"blocks.0.att.v0", "blocks.0.att.v1", "blocks.0.att.v2"}

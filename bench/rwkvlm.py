@@ -458,9 +458,9 @@ def median_speed(rows: list[dict], skip: int = 10) -> float:
     return speeds[len(speeds) // 2] if speeds else float("nan")
 
 
-def report(runs: list[Path], out: Path | None, smooth: int = 20) -> str:
+def report(runs: list[Path], out: Path | None, smooth: int = 20, max_step: int = 0) -> str:
     """A Markdown table of each run's steps, tokens, tail-mean loss and median tokens/s, and
-    (with `out`) a PNG of the smoothed loss curves."""
+    (with `out`) a PNG of the smoothed loss curves; with `max_step`, of the steps up to it."""
     from bench.metrics import read_metrics
 
     lines = ["| run | steps | tokens | mean loss, last 10% | median tokens/s | peak GiB |",
@@ -468,7 +468,8 @@ def report(runs: list[Path], out: Path | None, smooth: int = 20) -> str:
     curves = {}
     for run in runs:
         path = run / "metrics.jsonl" if run.is_dir() else run
-        rows = sorted({r["step"]: r for r in read_metrics(path) if "loss" in r}.values(),
+        rows = sorted({r["step"]: r for r in read_metrics(path)
+                       if "loss" in r and (max_step <= 0 or r["step"] <= max_step)}.values(),
                       key=lambda r: r["step"])
         name = path.parent.name
         curves[name] = rows
@@ -524,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     p_report = sub.add_parser("report", help="table and PNG of runs' curves")
     p_report.add_argument("runs", nargs="+", type=Path)
     p_report.add_argument("--out", type=Path, default=None)
+    p_report.add_argument("--max-step", type=int, default=0, help="compare the steps up to this one")
     args, overrides = parser.parse_known_args(argv)
     if overrides and args.command == "report":
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
@@ -554,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.json.write_text(json.dumps(result, indent=1))
             print(parity_table(result))
         else:
-            print(report(args.runs, args.out))
+            print(report(args.runs, args.out, max_step=args.max_step))
     except RwkvLmMissing as err:
         raise SystemExit(f"bench.rwkvlm: {err}") from None
 

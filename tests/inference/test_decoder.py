@@ -146,6 +146,57 @@ def test_decode_kernels_equal_their_pytorch_forms(dtype):
              rand(B, HK, K, M), rand(B, HK, M, K))
 
 
+REPEATS = 1000
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_decode_kernels_give_the_same_bits_on_every_launch():
+    """Each decode_step kernel loads its state tiles and overwrites them within one program (the
+    layer-0 RWKV7 kernel also writes v_first): REPEATS launches of each from the same state and
+    inputs, at the 1B models' head shapes in bf16 with 16 sequences, give bitwise-equal outputs
+    and states. A warp that read a state element after another warp of its program had overwritten
+    it would change one of them now and then."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    bf16 = torch.bfloat16
+    B, H, N = 16, 32, 64  # RWKV6 and RWKV7 1B: 32 heads of 64 channels
+    C = H * N
+    r, k, v, w_lora, a_lora, v_lora, g = (rand(B, C).to(bf16) for _ in range(7))
+    rwkv7 = dict(w0=rand(C), a0=rand(C), v0=rand(C), k_k=rand(C), k_a=rand(C), r_k=rand(H, N), ln_weight=rand(C),
+                 ln_bias=rand(C), ln_eps=64e-5, decay_bound=0.6065306597126334)
+    rwkv6 = dict(time_decay=rand(C) - 2, u=rand(H, N), ln_weight=rand(C), ln_bias=rand(C), ln_eps=64e-5)
+    HK, K, M = 4, 512, 64  # GSA 1B: 4 heads of 512 channels, 64 slots
+    q, gk, gv, f = (rand(B, HK * width).to(bf16) for width in (K, K, K, M))
+    cases = {
+        "rwkv7 layer 0": (lambda s: rwkv7_decode_step(r, k, v, w_lora, a_lora, None, g, s[1], state=s[0],
+                                                      is_first=True, **rwkv7),
+                          [rand(B, H, N, N), torch.zeros(B, C, dtype=bf16, device="cuda")]),
+        "rwkv7": (lambda s: rwkv7_decode_step(r, k, v, w_lora, a_lora, v_lora, g, s[1], state=s[0], is_first=False,
+                                              **rwkv7),
+                  [rand(B, H, N, N), rand(B, C).to(bf16)]),
+        "rwkv6": (lambda s: rwkv6_decode_step(r, k, v, g, w_lora, state=s[0], **rwkv6), [rand(B, H, N, N)]),
+        "gsa": (lambda s: gsa_decode_step(q, gk, gv, f * 4, normalizer=8.0, state_k=s[0], state_v=s[1]),
+                [rand(B, HK, K, M), rand(B, HK, M, K)]),
+    }
+    for name, (step, start) in cases.items():
+        buffers = [t.clone() for t in start]
+        first = None
+        for i in range(REPEATS):
+            for buffer, t in zip(buffers, start):
+                buffer.copy_(t)
+            # the copies finish before the launch: on Hopper a decode kernel loads its state before it
+            # waits on the kernel ahead of it (flame.ops.dependent_launch), which in a decoding step
+            # never writes that state
+            torch.cuda.synchronize()
+            results = [step(buffers), *buffers]
+            if first is None:
+                first = [t.clone() for t in results]
+            for j, (got, want) in enumerate(zip(results, first)):
+                assert torch.equal(got, want), f"{name}: launch {i} differs from launch 0 in result {j} " \
+                                               "(0: the output, then the state buffers)"
+
+
 @pytest.mark.skipif(not triton_interpreter_enabled(), reason="Triton kernels on CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()

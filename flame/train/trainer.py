@@ -469,7 +469,8 @@ class Trainer(Stateful):
 
     def resume(self) -> None:
         """Resume from the latest complete checkpoint (or load_step); else initial_load_path.
-        A checkpoint past training.steps is refused: the run would stop before its first step."""
+        A checkpoint past training.steps is refused: the run would end at once, at the
+        checkpoint's step, without a step of training, and report that as done."""
         ckpt = self.cfg.checkpoint
         step = self.checkpointer.resume_step() if ckpt.enable or ckpt.load_step >= 0 else None
         if step is not None:

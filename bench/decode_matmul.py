@@ -453,9 +453,8 @@ def slower_buckets(before: dict, after: dict) -> set[int]:
 
 def run_sweep(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type != "cuda" and not args.tiny:
-        raise SystemExit("bench.decode_matmul --sweep times GPU kernels and needs a CUDA GPU; "
-                         "on CPU only --tiny runs (a smoke run through the interpreter)")
+    if not args.tiny:
+        require_cuda("bench.decode_matmul --sweep", "on CPU only --tiny runs (a smoke run through the interpreter)")
     families = args.families.split(",")
     unknown = set(families) - set(FAMILIES)
     if unknown:

@@ -487,13 +487,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    from bench.timing import fla_available, require_cuda, versions
+
     device = torch.device(args.device)
     if args.rwkv_worker:
         rwkv_worker(args.rwkv_worker, args, args.worker_out)
         return 0
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench.generate needs a CUDA GPU (--device cpu --tiny runs a smoke check)", file=sys.stderr)
-        return 1
+    if device.type == "cuda":
+        require_cuda("bench.generate", "--device cpu --tiny runs a smoke check")
     if args.new_tokens < 2 or args.rwkv_new_tokens < 2:
         print("--new-tokens and --rwkv-new-tokens must be >= 2 (the decoding rate is measured beyond the first "
               "token)", file=sys.stderr)
@@ -503,7 +504,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown --libs {unknown}: expected some of {', '.join(LIBS)}", file=sys.stderr)
         return 1
-    from bench.timing import fla_available, versions
 
     results: list[dict] = []
     for lib, available, hint in (("hf", transformers_available, "pip install transformers"),

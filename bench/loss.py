@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.timing import require_cuda
 from flame.ops.linear_cross_entropy import linear_cross_entropy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -101,6 +102,8 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown --impls {', '.join(unknown)}; expected a subset of {', '.join(IMPLS)}")
     device = torch.device(args.device)
+    if device.type == "cuda":
+        require_cuda("bench.loss", "--device cpu runs a smoke run")
     hidden, weight, labels = make_inputs(args.n, args.d, args.v, DTYPES[args.dtype], device, args.ignore)
     scale = 1.0 / max(int((labels != -100).sum()), 1)
     print(f"N={args.n} D={args.d} V={args.v} {args.dtype} on {device}"

@@ -323,7 +323,7 @@ def main(argv=None) -> None:
     parser.add_argument("--launch", action="append", default=[], metavar="KERNEL:KEY=VALUE,...",
                         help="override launch keywords of one of flame's Triton kernels (repeatable)")
     args = parser.parse_args(argv)
-    require_cuda("bench/ops.py")
+    require_cuda("bench.ops")
     dtype = getattr(torch, args.dtype)
     names = [n for n in args.ops.split(",") if n]
     unknown = [n for n in names if n not in REGISTRY]

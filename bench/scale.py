@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 from bench.metrics import MetricsError, read_metrics
-from bench.timing import versions
+from bench.timing import require_cuda, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ("single", "replicate", "fsdp", "hsdp", "nodes", "nodes_fsdp", "preempt")
@@ -345,6 +345,8 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.device == "cuda":
+        require_cuda("bench.scale", "--device cpu runs the same runs on CPU processes")
     out_root = Path(args.out).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     summary_path = out_root / "summary.json"

@@ -22,12 +22,13 @@ _OPTIMIZER_MARKS = ("adam", "multi_tensor", "foreach", "fused_sgd")
 
 # ---- device and libraries ----------------------------------------------------------------------
 
-def require_cuda(tool: str) -> None:
-    """Exit with a one-line message when no CUDA GPU is visible."""
+def require_cuda(tool: str, hint: str = "") -> None:
+    """Exit (status 1) with a one-line message when no CUDA GPU is visible; `hint`: what runs
+    without one."""
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit(f"{tool} times GPU kernels and needs a CUDA GPU; none is visible")
+        raise SystemExit(f"{tool} measures on a CUDA GPU and none is visible" + (f"; {hint}" if hint else ""))
 
 
 def fla_available() -> bool:

@@ -43,7 +43,8 @@ import time
 from pathlib import Path
 
 from bench.fla_models import fla_model_factory
-from bench.timing import FLA_MISSING, KINDS, busy_ms, fla_available, is_annotation, kernel_kind, triton_kernel_names
+from bench.timing import (FLA_MISSING, KINDS, busy_ms, fla_available, is_annotation, kernel_kind, require_cuda,
+                          triton_kernel_names)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -239,6 +240,7 @@ def main() -> int:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    require_cuda("bench.train_step")
 
     if args.child:
         family, lib, out = args.child.split(":", 2)

@@ -32,7 +32,9 @@ class Job:
     name: str = field(default="flame", metadata={"nonempty": True})
     """Run name, used for the dump folder default and the wandb run name."""
     dump_folder: str = field(default="outputs/flame", metadata={"nonempty": True})
-    """Where the run writes config.toml, metrics.jsonl, logs and checkpoints."""
+    """Where the run writes config.toml, metrics.jsonl, its checkpoints (each step-N with the
+    config.toml it was trained with) and, when enabled, tensorboard/, wandb/ and profiler traces.
+    The console log goes to stdout only: launch/train.sh keeps each rank's in logs/<date-time>."""
     seed: int = field(default=42, metadata={"ge": 0, "le": 2**32 - 1})
     """Seed for model init, data order (unless data.seed is set) and dropout-free determinism."""
     deterministic: bool = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 from flame.data.loader import DataLoader
 from flame.data.shards import open_shards
 from flame.data.errors import DataError
-from flame.data.sources import load_documents
+from flame.data.sources import load_documents, local_files
 from flame.data.streaming import StreamedDataset
 from flame.data.tokens import build_stream, split_indices, tokenize_documents
 
@@ -43,7 +43,8 @@ def build_dataloader(*, dataset: str = "embedded", data_files=(), text_field: st
                                                 split=dataset_split, streaming=streaming,
                                                 text_field=text_field)
         if streaming:
-            streams.append(StreamedDataset(ds, field, tokenizer, description, val_fraction))
+            streams.append(StreamedDataset(ds, field, tokenizer, description, val_fraction,
+                                           files=local_files(spec, data_files)))
             continue
         tokens, offsets = tokenize_documents(ds, field, tokenizer, num_workers)
         docs = split_indices(len(offsets) - 1, val_fraction, split)

@@ -3,4 +3,5 @@
 
 class DataError(ValueError):
     """A data source or tokenizer cannot be used: missing files, no network, wrong field, empty
-    data, a vocabulary that does not match the model, a loader state from another layout."""
+    data, a record that cannot be read (named by file and line), a vocabulary that does not match
+    the model, a loader state from another layout."""

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from flame.data.errors import DataError
+from flame.data.records import first_bad_record
 from flame.data.tokenizer import EMBEDDED_DIR
 
 EMBEDDED_CORPUS = EMBEDDED_DIR / "shakespeare.jsonl.gz"
@@ -61,6 +62,19 @@ def offline() -> bool:
     return any(f in ("1", "true", "yes", "on") for f in flags)
 
 
+def local_files(spec: str, data_files: list[str] | tuple = ()) -> tuple[str | None, list[str]]:
+    """(file type, files) of a local source spec; (None, []) for a HF hub dataset."""
+    if spec == "embedded":
+        return "json", [str(EMBEDDED_CORPUS)]
+    if spec in LOCAL_TYPES:
+        if not data_files:
+            raise DataError(f"data.dataset = {spec!r} needs data.data_files (glob patterns)")
+        return spec, expand_globs(list(data_files))
+    if file_type(spec) is not None:
+        return file_type(spec), expand_globs([spec])
+    return None, []
+
+
 def load_documents(spec: str, *, data_files: list[str] | tuple = (), name: str = "",
                    split: str = "train", streaming: bool = False, text_field: str = "text"):
     """Load a source as a `datasets.Dataset` (or `IterableDataset` when streaming) and check it.
@@ -69,17 +83,7 @@ def load_documents(spec: str, *, data_files: list[str] | tuple = (), name: str =
     """
     import datasets
 
-    if spec == "embedded":
-        kind, files = "json", [str(EMBEDDED_CORPUS)]
-    elif spec in LOCAL_TYPES:
-        if not data_files:
-            raise DataError(f"data.dataset = {spec!r} needs data.data_files (glob patterns)")
-        kind, files = spec, expand_globs(list(data_files))
-    elif file_type(spec) is not None:
-        kind, files = file_type(spec), expand_globs([spec])
-    else:
-        kind, files = None, []
-
+    kind, files = local_files(spec, data_files)
     if kind is not None:
         for f in files:
             if file_type(f) is not None and file_type(f) != kind:
@@ -89,14 +93,15 @@ def load_documents(spec: str, *, data_files: list[str] | tuple = (), name: str =
         if all(num_rows(kind, f) == 0 for f in files):
             raise DataError(f"dataset {description} is empty")
         extra = {"sample_by": "document"} if kind == "text" else {}
+        if kind == "text":
+            text_field = "text"
         try:
             ds = datasets.load_dataset(kind, data_files=files, split="train",
                                        streaming=streaming, **extra)
         except Exception as err:  # datasets raises many types, StopIteration included
-            raise DataError(f"cannot read {kind} files {files[:3]}: {type(err).__name__}: "
-                            f"{err}") from err
-        if kind == "text":
-            text_field = "text"
+            # datasets names no file or line: find the bad record and say where it is
+            raise DataError(first_bad_record(kind, files, text_field) or
+                            f"cannot read {kind} files {files[:3]}: {type(err).__name__}: {err}") from err
     else:
         hub_name, _, config = spec.partition(":")
         config = config or name or None
@@ -118,4 +123,19 @@ def load_documents(spec: str, *, data_files: list[str] | tuple = (), name: str =
         raise DataError(f"field {text_field!r} not found in {description}; fields are {columns}")
     if not streaming and len(ds) == 0:
         raise DataError(f"dataset {description} is empty")
+    if not streaming:
+        check_texts(ds, text_field, description, kind, files)
     return ds, text_field, description
+
+
+def check_texts(ds, text_field: str, description: str, kind: str | None, files: list[str]) -> None:
+    """DataError unless every document's `text_field` is a string (a null or a number in a record
+    would fail inside the tokenizer); for local files the error names the file and line."""
+    import pyarrow as pa
+
+    column = ds.data.column(text_field)
+    if (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)) and not column.null_count:
+        return
+    problem = first_bad_record(kind, files, text_field) if kind is not None else None
+    raise DataError(problem or f"field {text_field!r} of {description} holds {column.type} values "
+                               f"({column.null_count} null), not text")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from flame.data.errors import DataError
+from flame.data.records import first_bad_record
 from flame.data.tokens import token_dtype
 
 GOLDEN = 0x9E3779B97F4A7C15
@@ -31,15 +32,18 @@ class StreamedDataset:
     """A streamed `datasets.IterableDataset` waiting for the loader's layout (`open`)."""
 
     def __init__(self, ds, text_field: str, tokenizer, description: str, val_fraction: float,
-                 shuffle_buffer: int = 64):
+                 shuffle_buffer: int = 64, files: tuple[str | None, list[str]] = (None, [])):
+        """`files`: (file type, files) of a local source, read again to name the file and line of
+        a record that cannot be used (`flame.data.records`)."""
         self.ds, self.text_field, self.tokenizer = ds, text_field, tokenizer
         self.description, self.val_fraction, self.shuffle_buffer = description, val_fraction, shuffle_buffer
+        self.files = files
 
     def open(self, length: int, *, index: int, seed: int, rank: int, world: int, split: str):
         return StreamSource(self.ds, self.text_field, self.tokenizer, length,
                             f"{self.description}/{split}", index=index, seed=seed, rank=rank,
                             world=world, split=split, val_fraction=self.val_fraction,
-                            shuffle_buffer=self.shuffle_buffer)
+                            shuffle_buffer=self.shuffle_buffer, files=self.files)
 
 
 class StreamSource:
@@ -47,10 +51,10 @@ class StreamSource:
 
     def __init__(self, ds, text_field: str, tokenizer, length: int, description: str, *,
                  index: int, seed: int, rank: int, world: int, split: str, val_fraction: float,
-                 shuffle_buffer: int = 64):
+                 shuffle_buffer: int = 64, files: tuple[str | None, list[str]] = (None, [])):
         if split == "validation" and val_fraction == 0:
             raise DataError("the validation split is empty: data.val_fraction is 0")
-        self.ds, self.text_field, self.tokenizer = ds, text_field, tokenizer
+        self.ds, self.text_field, self.tokenizer, self.files = ds, text_field, tokenizer, files
         self.length, self.description = length, description
         self.index, self.seed, self.rank, self.world = index, seed, rank, world
         self.split, self.val_fraction = split, val_fraction
@@ -79,16 +83,26 @@ class StreamSource:
             ds = self.ds.skip(self.docs_read) if self.docs_read else self.ds
             self._docs = iter(ds)
         texts = []
-        for row in self._docs:
-            k = self.docs_read
-            self.docs_read += 1
-            if self._mine(k):
-                if self.text_field not in row:
-                    raise DataError(f"field {self.text_field!r} not found in {self.description}; "
-                                    f"fields are {sorted(row)}")
-                texts.append(row[self.text_field])
-                if len(texts) == READ_BATCH:
-                    break
+        try:
+            for row in self._docs:
+                k = self.docs_read
+                self.docs_read += 1
+                if self._mine(k):
+                    if self.text_field not in row:
+                        raise DataError(f"field {self.text_field!r} not found in {self.description}; "
+                                        f"fields are {sorted(row)}")
+                    if not isinstance(row[self.text_field], str):
+                        raise DataError(f"document {k + 1} of {self.description}: field "
+                                        f"{self.text_field!r} is {row[self.text_field]!r:.80}, not text")
+                    texts.append(row[self.text_field])
+                    if len(texts) == READ_BATCH:
+                        break
+        except Exception as err:  # datasets raises many types; name the file and line when local
+            problem = first_bad_record(*self.files, self.text_field) if self.files[0] else None
+            if problem is None and isinstance(err, DataError):
+                raise
+            raise DataError(problem or f"cannot read {self.description} after {self.docs_read} "
+                                       f"documents: {type(err).__name__}: {err}") from err
         if texts:
             self._mine_this_epoch += len(texts)
             eod = self.tokenizer.eod_id

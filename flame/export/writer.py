@@ -19,7 +19,8 @@ from flame.data import load_tokenizer
 from flame.export.fla import check_fla_eps, fla_config
 from flame.export.errors import ExportError
 from flame.export.rwkv import check_rwkv_format
-from flame.weights import read_model_state_dict, read_run_checkpoint, untie_if_different
+from flame.weights import (WeightsError, check_model_args, read_model_state_dict, read_run_checkpoint,
+                           untie_if_different)
 from flame.weights.fla_names import to_fla
 from flame.weights.foreign import CONFIG_JSON, HF_PREFIX, SAFETENSORS_FILE, SAFETENSORS_INDEX
 from flame.weights.rwkv_names import to_rwkv
@@ -53,7 +54,9 @@ def check_output(out: Path, fmt: str, overwrite: bool) -> None:
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: torch.dtype = torch.float32,
                       step: int | None = None, overwrite: bool = False,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Export the checkpoint that `checkpoint` names (see `find_step_dir`) to `out`; returns `out`."""
+    """Export the checkpoint that `checkpoint` names (see `find_step_dir`) to `out`; returns `out`.
+    The model's config is the one the checkpoint was trained with (`find_run_config`), checked
+    against the checkpoint's tensors before anything is written."""
     out = Path(out)
     check_output(out, fmt, overwrite)
     run = read_run_checkpoint(checkpoint, step)
@@ -65,6 +68,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     tokens = None if fmt == "rwkv" else token_ids(run.tokenizer)
     state = read_model_state_dict(run.step_dir, dtype)
     run.model_args = untie_if_different(run.model_args, state)
+    try:  # the written config must describe the written tensors
+        check_model_args(run.model_args, state, source=f"checkpoint {run.step_dir}")
+    except WeightsError as err:
+        raise ExportError(f"the config {run.config} does not match the weights it would describe: "
+                          f"{err}") from err
     new_parents = [p for p in out.absolute().parents if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -137,11 +145,20 @@ def write_safetensors(state: dict[str, torch.Tensor], folder: Path, max_shard_si
     for filename, names in split.filename_to_tensors.items():
         save_file({name: state[name].contiguous() for name in names}, str(folder / filename),
                   metadata={"format": "pt"})
+        os.chmod(folder / filename, new_file_mode())  # safetensors creates its files 0600
     if split.is_sharded:
         index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
         (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     elif not (folder / SAFETENSORS_FILE).is_file():
         raise ExportError(f"safetensors wrote no {SAFETENSORS_FILE} into {folder}")
+
+
+def new_file_mode() -> int:
+    """The mode a file that Python's open() creates gets under this process's umask (0644 under
+    the usual umask 022), the mode of every other file of an export."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_generation_config(folder: Path, ids: dict) -> None:

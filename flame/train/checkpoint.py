@@ -1,8 +1,9 @@
 """Sharded, resumable checkpoints with torch.distributed.checkpoint (DCP): save, load, prune.
 
-Layout (flame.weights.layout): `<dump_folder>/<checkpoint.folder>/step-N/`, the DCP shards plus
-`COMPLETE`, a marker that rank 0 writes only after every rank's shards and DCP's metadata are on
-disk. A folder without the marker (a run killed mid-save) is ignored when resuming and removed
+Layout (flame.weights.layout): `<dump_folder>/<checkpoint.folder>/step-N/`, the DCP shards, the
+run's `config.toml` (the config this checkpoint was trained with, which export, generate and eval
+read) and `COMPLETE`, a marker that rank 0 writes only after every rank's shards and DCP's metadata
+are on disk. A folder without the marker (a run killed mid-save) is ignored when resuming and removed
 when that step is saved again; a save that fails (disk full, unwritable) removes its folder itself
 and leaves the older checkpoints as they were (keep_latest_k prunes only after a save that
 succeeded). A checkpoint that cannot be read is a `flame.weights.WeightsError`.
@@ -15,6 +16,7 @@ What a checkpoint holds (the `state` dict given to `save` / `load`):
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from flame.train.fault_injection import fault_point
 from flame.weights import (
     COMPLETE_MARKER,
+    CONFIG_FILE,
     WeightsError,
     check_readable,
     check_state_dict,
@@ -116,8 +119,11 @@ class CheckpointManager:
     the newest `keep_latest_k`; resumes. A failed save leaves no partial folder behind and never
     touches the complete checkpoints before it."""
 
-    def __init__(self, cfg, dump_folder: str, clock=time.monotonic):
+    def __init__(self, cfg, dump_folder: str, clock=time.monotonic, run_config: str = ""):
+        """`run_config`: the run's config as TOML, written into every step folder (none when
+        empty)."""
         self.cfg = cfg
+        self.run_config = run_config
         self.folder = Path(dump_folder) / cfg.folder
         self.async_mode = cfg.async_mode
         if self.async_mode not in ("disabled", "async"):
@@ -208,6 +214,8 @@ class CheckpointManager:
                 if path.exists():  # a stale or partial save of the same step
                     shutil.rmtree(path)
                 path.mkdir(parents=True)
+                if self.run_config:
+                    write_run_config(path, self.run_config)
             except OSError as err:
                 error = err
         if not _everywhere(error is None):
@@ -302,6 +310,18 @@ class CheckpointManager:
         logger.info("checkpoint: loaded %s in %.1fs", path, time.monotonic() - start)
 
 
+def write_run_config(folder: str | Path, text: str) -> None:
+    """Write `text` to `folder`/config.toml through a temporary file renamed over it, so that the
+    file is the old config or the new one, never a part of one."""
+    path = Path(folder) / CONFIG_FILE
+    tmp = path.with_name(f".{CONFIG_FILE}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def load_exported_weights(model: torch.nn.Module, path: str | Path, family: str) -> None:
     """Load model weights only from an exported `hf` or `fla` folder or an RWKV-LM `.pth`
     (flame.export's formats) into `model`, sharded or not: converted to flame's names, checked
@@ -328,13 +348,31 @@ def load_exported_weights(model: torch.nn.Module, path: str | Path, family: str)
 
 
 def _describe(err: BaseException) -> str:
-    """The first failure inside DCP's per-rank CheckpointException, else `err`: type and line."""
+    """The first failure inside DCP's per-rank CheckpointException, else `err`: type and line.
+    The file system's own error is named where torch's stands over it (torch.save reports a full
+    disk as "[enforce fail at inline_container.cc] unexpected pos", the OSError in its context)."""
     if isinstance(err, SaveFailed):
         return str(err)
+    where = ""
     if isinstance(err, CheckpointException) and err.failures:
-        rank, (cause, _) = next(iter(err.failures.items()))
-        return f"on rank {rank}: {type(cause).__name__}: {first_line(cause)}"
-    return f"{type(err).__name__}: {first_line(err)}"
+        rank, (err, _) = next(iter(err.failures.items()))
+        where = f"on rank {rank}: "
+    err = _os_error(err) or err
+    text = f"{type(err).__name__}: {first_line(err)}"
+    if getattr(err, "errno", None) == errno.ENOSPC:
+        text = f"no space left on device ({text})"
+    return where + text
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The first OSError in `err`'s chain of causes and contexts (`err` itself included)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _cause(err: BaseException) -> BaseException | None:

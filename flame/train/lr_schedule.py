@@ -11,12 +11,15 @@ used by update s+1.
 
 from __future__ import annotations
 
+import logging
 import math
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 DECAY_TYPES = ("cosine", "linear", "wsd")
+
+logger = logging.getLogger("flame.train")
 
 
 def lr_multiplier(
@@ -56,8 +59,13 @@ def lr_multiplier(
 
 
 def build_lr_scheduler(optimizer: Optimizer, cfg, total_steps: int, peak_lr: float) -> LambdaLR:
-    """A LambdaLR over `optimizer` from the `[lr_scheduler]` config section."""
+    """A LambdaLR over `optimizer` from the `[lr_scheduler]` config section. A warmup longer
+    than the run is clamped to the run (the log says so)."""
     min_ratio = cfg.lr_min / peak_lr if peak_lr > 0 else 0.0
+    if cfg.warmup_steps > total_steps:
+        logger.warning("lr_scheduler.warmup_steps = %d is longer than the run (training.steps = %d): "
+                       "the warmup is clamped to %d steps, the LR reaches its peak at the last step "
+                       "and does not decay", cfg.warmup_steps, total_steps, total_steps)
 
     def multiplier(step: int) -> float:
         return lr_multiplier(

@@ -38,6 +38,29 @@ class RunLockedError(RuntimeError):
     """The dump folder is locked by another run that may be alive."""
 
 
+class DumpFolderError(RuntimeError):
+    """The dump folder cannot be created or written (a permission, a missing or read-only
+    file system, a file in the way); the message names the folder and the cause."""
+
+
+def dump_folder_error(folder: Path, err: OSError) -> DumpFolderError:
+    """The error of `folder` that cannot be created or written: the cause, at the nearest path
+    that exists (a file in the way, a folder this user cannot write)."""
+    existing = next(p for p in [folder, *folder.absolute().parents] if p.exists() or p.is_symlink())
+    if existing.is_symlink() and not existing.exists():
+        cause = f"{existing} is a link to {os.readlink(existing)}, which does not exist"
+    elif not existing.is_dir():
+        cause = f"{existing} is a file, not a folder"
+    elif isinstance(err, PermissionError):
+        cause = f"permission denied: this user cannot write to {existing}"
+    else:
+        cause = (err.strerror or type(err).__name__).lower()
+        if err.filename and str(err.filename) != str(folder):
+            cause += f" ({err.filename})"
+    return DumpFolderError(f"job.dump_folder {folder} cannot be created or written: {cause}; "
+                           f"choose another with --job.dump_folder")
+
+
 def proc_stat(pid: int) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command name (state first; the start time, in
     clock ticks since boot, 20th); None when unknown (no /proc, no such process)."""
@@ -114,7 +137,10 @@ class RunLock:
         """Create the lock file, or take over a stale one; RunLockedError when it is held."""
         if self.held:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise dump_folder_error(self.path.parent, err) from err
         me = LockHolder.this_process(self.job_name)
         body = json.dumps(asdict(me), indent=1) + "\n"
         for _ in range(20):
@@ -130,6 +156,8 @@ class RunLock:
                     raise RunLockedError(self.refusal(seen))
                 self.take_over(seen, reason)
                 continue
+            except OSError as err:
+                raise dump_folder_error(self.path.parent, err) from err
             with os.fdopen(fd, "w") as f:
                 f.write(body)
                 f.flush()
@@ -211,17 +239,18 @@ class RunLock:
 
 
 def lock_dump_folder(lock: RunLock, parallel) -> None:
-    """Rank 0 acquires `lock`; a refusal stops every rank, with rank 0's message."""
+    """Rank 0 acquires `lock`; a refusal (or a folder it cannot create) stops every rank, with
+    rank 0's error."""
     refusal = None
     if parallel.rank == 0:
         try:
             lock.acquire()
-        except RunLockedError as err:
-            refusal = str(err)
+        except (RunLockedError, DumpFolderError) as err:
+            refusal = err
     if parallel.distributed and parallel.world_size > 1:
-        shared = [refusal]
+        shared = [None if refusal is None else type(refusal)(str(refusal))]
         dist.broadcast_object_list(shared, src=0)
-        refusal = shared[0]
+        refusal = refusal or shared[0]
     if refusal is not None:
-        raise RunLockedError(refusal)
+        raise refusal
 

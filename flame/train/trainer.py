@@ -37,7 +37,7 @@ from flame.train import fault_injection
 from flame.ops.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState,
-                                    load_exported_weights)
+                                    load_exported_weights, write_run_config)
 from flame.train.fault_injection import fault_point
 from flame.train.fsdp import MicroBatchSchedule
 from flame.train.loss import IGNORE_INDEX
@@ -54,7 +54,7 @@ from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.profiling import StepProfiler
 from flame.train.run_lock import RunLock, lock_dump_folder
 from flame.train.step_pipeline import LaunchedStep, StepPipeline, StepResult
-from flame.weights import CONFIG_FILE, is_foreign_weights
+from flame.weights import is_foreign_weights
 
 logger = logging.getLogger("flame.train")
 
@@ -116,9 +116,6 @@ class Trainer(Stateful):
         # preemption safety: one run per dump folder (rank 0 holds the lock; a refusal stops all)
         self.run_lock = RunLock(self.dump_folder, cfg.job.name, force=cfg.job.force_unlock)
         lock_dump_folder(self.run_lock, self.parallel)
-        if self.rank == 0:
-            self.dump_folder.mkdir(parents=True, exist_ok=True)
-            (self.dump_folder / CONFIG_FILE).write_text(to_toml(cfg))
         logger.info("job %s: dump folder %s, %d process(es) on %s", cfg.job.name,
                     self.dump_folder, self.parallel.world_size, self.device)
         logger.info("data parallel: %s", self.parallel.data_parallel)
@@ -157,8 +154,9 @@ class Trainer(Stateful):
         self.guard = NonFiniteGuard(training, self.model, self.parallel, self.pipeline.forward,
                                     self.stop_or_reload)
 
-        # 5. checkpoints (and a resume when there is one), preemption, metrics
-        self.checkpointer = CheckpointManager(cfg.checkpoint, str(self.dump_folder))
+        # 5. checkpoints (and a resume when there is one), preemption, metrics; every checkpoint
+        # holds the config it was trained with
+        self.checkpointer = CheckpointManager(cfg.checkpoint, str(self.dump_folder), run_config=to_toml(cfg))
         self.state = TrainState(dp_world_size=self.parallel.dp_world_size)
         self.resume()
         self.stop_signals = StopSignals(training.stop_signals)
@@ -172,6 +170,11 @@ class Trainer(Stateful):
         self.state.wandb_run_id = self.broadcast_object(self.metrics.wandb_run_id or "")
         self.step_log = StepLog(self.metrics, cfg, self.parallel.world_size, self.device,
                                 self.model.num_flops_per_token(training.seq_len))
+
+        # 6. the run's record, once the data, the model and the checkpoint are accepted: a refused
+        # start leaves the config.toml of the run before it as it was
+        if self.rank == 0:
+            write_run_config(self.dump_folder, self.checkpointer.run_config)
 
     # ---- building ------------------------------------------------------------------------
 
@@ -458,7 +461,9 @@ class Trainer(Stateful):
         return state
 
     def resume(self) -> None:
-        """Resume from the latest complete checkpoint (or load_step); else initial_load_path."""
+        """Resume from the latest complete checkpoint (or load_step); else initial_load_path.
+        A checkpoint past training.steps is refused: the run would end at once, at the
+        checkpoint's step, without a step of training, and report that as done."""
         ckpt = self.cfg.checkpoint
         step = self.checkpointer.resume_step() if ckpt.enable or ckpt.load_step >= 0 else None
         if step is not None:
@@ -478,6 +483,13 @@ class Trainer(Stateful):
                             ckpt.initial_load_path)
             else:
                 self.load_full_checkpoint(Path(ckpt.initial_load_path))
+        if self.state.step > self.cfg.training.steps:
+            loaded = self.checkpointer.step_dir(step) if step is not None else ckpt.initial_load_path
+            raise CheckpointError(
+                f"checkpoint {loaded} is at step {self.state.step}, past training.steps = "
+                f"{self.cfg.training.steps}: set training.steps to {self.state.step} or more to "
+                f"continue this run, or choose another job.dump_folder for a new one"
+            )
 
     def load_full_checkpoint(self, path: Path) -> None:
         # read the run's data-parallel size first, so that a mismatch gets a clear refusal

@@ -1,10 +1,12 @@
 """A run's folders on disk: where its checkpoints are and which are complete.
 
-A run's dump folder holds `config.toml` (the whole job config, written by the trainer) and
-`<checkpoint.folder>/step-N/` folders. A step folder holds DCP's shards and its `.metadata`, and is
+A run's dump folder holds `config.toml` (the whole job config of the run's latest start, written
+by the trainer once the start is accepted) and `<checkpoint.folder>/step-N/` folders. A step folder
+holds DCP's shards and its `.metadata`, the `config.toml` that checkpoint was trained with, and is
 complete once its `COMPLETE` marker exists: rank 0 writes the marker after every rank's shards and
 the metadata are on disk, so a folder without it is an interrupted save. The model's tensors are
-the checkpoint's `model.*` entries.
+the checkpoint's `model.*` entries. A step folder without its own config.toml (a checkpoint saved
+before step folders held one) is read with the run's config.toml in a folder above it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class RunCheckpoint:
 
     step_dir: Path
     step: int
+    config: Path
+    """The config.toml it was read with."""
     model_args: object
     """The run's `flame.config.Model` section."""
     tokenizer: str
@@ -123,7 +127,10 @@ def _read_toml(path: Path) -> dict:
 
 
 def find_run_config(step_dir: Path) -> Path:
-    """The config.toml of the run that wrote `step_dir` (in one of the folders above it)."""
+    """The config that `step_dir` was trained with: its own config.toml, else the run's (in one of
+    the folders above it)."""
+    if (Path(step_dir) / CONFIG_FILE).is_file():
+        return Path(step_dir) / CONFIG_FILE
     for parent in list(Path(step_dir).resolve().parents)[:CONFIG_SEARCH_DEPTH]:
         if (parent / CONFIG_FILE).is_file():
             return parent / CONFIG_FILE
@@ -140,7 +147,7 @@ def read_run_checkpoint(path: str | Path, step: int | None = None) -> RunCheckpo
     except ConfigError as err:
         raise WeightsError(f"the run's config {config_path} is not valid: {err}") from err
     tokenizer = cfg.data.tokenizer or str(EMBEDDED_TOKENIZER)
-    return RunCheckpoint(found, int(STEP_DIR.match(found.name).group(1)), cfg.model, tokenizer)
+    return RunCheckpoint(found, int(STEP_DIR.match(found.name).group(1)), config_path, cfg.model, tokenizer)
 
 
 __all__ = [

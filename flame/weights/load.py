@@ -15,15 +15,23 @@ from flame.weights.layout import read_run_checkpoint
 from flame.weights.state_dicts import check_state_dict, untie_if_different
 
 
+def check_model_args(model_args, state_dict: dict[str, torch.Tensor], source: str = "the weights"):
+    """flame's model of `model_args` on the meta device, once `state_dict` (flame names; a tied
+    head may be absent) fits it: WeightsError naming the first missing, unexpected or misshapen
+    tensor, with both shapes, and `source`."""
+    with torch.device("meta"):
+        model = build_model(model_args)
+    check_state_dict(model.state_dict(), state_dict, tied_head=model.tie_word_embeddings, source=source)
+    return model
+
+
 def build_with_weights(model_args, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
                        device: str | torch.device = "cpu"):
     """flame's model of `model_args` holding `state_dict` (flame names) without a second copy of
     the weights (the model is built on the meta device and takes the tensors as they are). A
     tied head may be absent from `state_dict`. Raises WeightsError on a missing, unexpected or
     misshapen tensor."""
-    with torch.device("meta"):
-        model = build_model(model_args)
-    check_state_dict(model.state_dict(), state_dict, tied_head=model.tie_word_embeddings)
+    model = check_model_args(model_args, state_dict)
     state_dict = {k: v for k, v in state_dict.items()
                   if not (model.tie_word_embeddings and k == "lm_head.weight")}
     model.load_state_dict(state_dict, strict=False, assign=True)
@@ -49,4 +57,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return build_with_weights(model_args, state_dict, dtype, device), model_args, tokenizer
 
 
-__all__ = ["build_with_weights", "load_model"]
+__all__ = ["build_with_weights", "check_model_args", "load_model"]

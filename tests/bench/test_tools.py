@@ -1,5 +1,6 @@
 """Every tool in bench/ explains itself on `python -m bench.<tool> --help` without a GPU (and so does
-scripts/gpu_tests.py), and bench/ops.py's launch overrides reach the kernel's launch."""
+scripts/gpu_tests.py), a tool that measures on a GPU refuses a CPU in one line, and bench/ops.py's
+launch overrides reach the kernel's launch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 TOOLS = sorted(p.name for p in (ROOT / "bench").glob("*.py")
                if 'if __name__ == "__main__":' in p.read_text())
@@ -56,3 +63,34 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch):
         ops.override_launches(["_missing:num_warps=8"], package="flame.ops._bench_fake")
     with pytest.raises(SystemExit, match="expected KERNEL:KEY=VALUE"):
         ops.parse_launch("_fake_kernel")
+
+
+GPU_TOOLS = {  # tool: its arguments of a GPU measurement
+    "train_step": [], "scale": ["--configs", "configs/tiny.toml"], "loss": ["--device", "cuda"],
+    "generate": [], "ops": [], "decode_matmul": [], "decode_matmul --sweep": ["--sweep"],
+}
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="a CUDA GPU is visible")
+def test_a_gpu_tool_on_a_cpu_is_one_line_without_a_traceback():
+    done = subprocess.run([sys.executable, "-m", "bench.train_step"], capture_output=True, cwd=ROOT,
+                          text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1
+    assert done.stderr.strip() == "bench.train_step measures on a CUDA GPU and none is visible"
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="a CUDA GPU is visible")
+@pytest.mark.parametrize("tool", sorted(GPU_TOOLS))
+def test_every_gpu_tool_refuses_a_cpu(tool, monkeypatch):
+    """Each tool that measures on a GPU exits with one line before any work (SystemExit(str):
+    Python prints the line, exit status 1)."""
+    import importlib
+
+    module = importlib.import_module(f"bench.{tool.split()[0]}")
+    monkeypatch.setattr(sys, "argv", [tool, *GPU_TOOLS[tool]])
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as stopped:
+        module.main()
+    message = stopped.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    assert message.startswith(f"bench.{tool} measures on a CUDA GPU and none is visible"), message

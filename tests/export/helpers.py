@@ -83,12 +83,14 @@ def train_run(family: str, dump, tokenizer: Path, **sections):
 
 
 def with_model_fields(dump: Path, to: Path, **fields) -> Path:
-    """A copy `to` of the run folder `dump` whose config.toml changes these `model` fields (the
-    same weights): a model that computes with another eps, for the formats that need it."""
+    """A copy `to` of the run folder `dump` whose config.toml files (the run's and each
+    checkpoint's) change these `model` fields (the same weights): a model that computes with
+    another eps, for the formats that need it."""
     shutil.copytree(dump, to)
-    data = tomllib.loads((to / CONFIG_FILE).read_text())
-    data["model"].update(fields)
-    (to / CONFIG_FILE).write_text(to_toml(config_from_dict(data)))
+    for path in to.rglob(CONFIG_FILE):
+        data = tomllib.loads(path.read_text())
+        data["model"].update(fields)
+        path.write_text(to_toml(config_from_dict(data)))
     return to
 
 

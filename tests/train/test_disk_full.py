@@ -88,8 +88,36 @@ def test_a_failed_marker_write_removes_the_folder_and_the_final_save_must_succee
     trainer = Trainer(disk_config(tmp_path, on_save_error="continue"))
     trainer.train(stop_at_step=2)
     monkeypatch.setattr(checkpoint, "open", full_for_markers, raising=False)
-    with pytest.raises(CheckpointError, match=r"step 6 .* failed: writing .*step-6/COMPLETE: "
-                       r"OSError.*the final or a stop signal's save"):
+    with pytest.raises(CheckpointError, match=r"step 6 .* failed: writing .*step-6/COMPLETE: no space "
+                       r"left on device \(OSError.*the final or a stop signal's save"):
         trainer.train()
     monkeypatch.undo()
     assert complete_steps(tmp_path) == [2]  # 4 and 6 failed; 2 was never pruned
+
+
+def test_flame_train_names_a_full_disk_and_the_folder_in_one_line(tmp_path, monkeypatch, capsys):
+    """torch.save reports a full disk as "[enforce fail at inline_container.cc] unexpected pos", with
+    the file system's OSError only in its context: the message names the OSError."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from flame.train.__main__ import main
+
+    def create_stream(self, path, mode):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+    dump = tmp_path / "run"
+    assert main(["--config", str(tiny), "--job.dump_folder", str(dump), "--training.device", "cpu",
+                 "--model.hidden_size", "32", "--model.num_layers", "1", "--model.head_dim", "16",
+                 "--training.steps", "1", "--training.seq_len", "16", "--metrics.val_freq", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(
+        f"flame-train: CheckpointError: checkpoint: saving step 1 to {dump / 'checkpoint' / 'step-1'} failed: "
+        f"on rank 0: no space left on device (OSError: [Errno 28] No space left on device)"), err
+    assert not (dump / "checkpoint" / "step-1").exists()

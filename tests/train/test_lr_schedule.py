@@ -57,3 +57,20 @@ def test_scheduler_keeps_group_multipliers_and_lr_min_is_absolute():
     assert lrs[0] == pytest.approx([1e-3, 2e-3])
     assert lrs[1] == pytest.approx([5.5e-4, 1.1e-3])
     assert lrs[2] == pytest.approx([1e-4, 2e-4])
+
+
+def test_a_warmup_longer_than_the_run_is_clamped_and_logged(flame_log):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=15, lr_min=1e-4), total_steps=4, peak_lr=1e-3)
+    lrs = []
+    for _ in range(4):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert flame_log == ["lr_scheduler.warmup_steps = 15 is longer than the run (training.steps = 4): the "
+                         "warmup is clamped to 4 steps, the LR reaches its peak at the last step and does "
+                         "not decay"]
+    flame_log.clear()
+    build_lr_scheduler(opt, LRScheduler(warmup_steps=4), total_steps=4, peak_lr=1e-3)
+    assert flame_log == []

@@ -97,3 +97,38 @@ def test_release_leaves_a_lock_that_another_run_took(tmp_path):
     (tmp_path / LOCK_NAME).write_text('{"host": "x", "pid": 1}')  # forced away by another run
     lock.release()
     assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_dump_folder_that_cannot_be_created_is_one_line(tmp_path, monkeypatch, capsys):
+    """A file in the way, a link to nowhere, a folder this user cannot write: `flame-train` names
+    the folder and the cause in one line and exits 1, before any work."""
+    from pathlib import Path
+
+    from flame.train.__main__ import main
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+
+    def refusal(dump) -> str:
+        assert main(["--config", str(tiny), "--job.dump_folder", str(dump), "--training.device", "cpu"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith(f"flame-train: DumpFolderError: job.dump_folder {dump} "
+                                                  f"cannot be created or written: "), err
+        return err
+
+    (tmp_path / "a_file").write_text("")
+    assert f"{tmp_path / 'a_file'} is a file, not a folder" in refusal(tmp_path / "a_file" / "run")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    assert f"{tmp_path / 'link'} is a link to {tmp_path / 'nowhere'}, which does not exist" in refusal(
+        tmp_path / "link" / "run")
+
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):  # the tests may run as root, whom no permission stops
+        if self.is_relative_to(tmp_path / "shared"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    (tmp_path / "shared").mkdir()
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    assert f"permission denied: this user cannot write to {tmp_path / 'shared'}" in refusal(
+        tmp_path / "shared" / "runs" / "run")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from flame.ops.backend import triton_interpreter_enabled
+from flame.ops.utils.backend import triton_interpreter_enabled
 from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.decode_matmul.decode_matmul import decode_matmul_torch
 from flame.ops.decode_matmul.decode_matmul_triton import (

@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import resolve_backend
-from ..decode_checks import check_rows
+from ..utils.backend import resolve_backend
+from ..utils.decode_checks import check_rows
 from .segments import ACTIVATIONS, Segment
 
 NORMS = ("layer", "rms")

@@ -8,7 +8,7 @@ accumulates in fp32, with tl.dot tiles (BB >= 16) or, for a few rows, a broadcas
 the weight read is the cost, and a dot tile of one row wastes 15 of its 16), as the launch
 configuration says. The epilogue applies the activation, the residual add and the commit copy of
 the tile's columns. On Hopper the kernels launch as programmatic dependents
-(flame.ops.dependent_launch).
+(flame.ops.utils.dependent_launch).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import triton_interpreter_enabled
-from ..dependent_launch import dependent_launch, launch_options, wait_for_producers
+from ..utils.backend import triton_interpreter_enabled
+from ..utils.dependent_launch import dependent_launch, launch_options, wait_for_producers
 from .segments import ACTIVATIONS
 from .decode_matmul_tuning import TABLE
 

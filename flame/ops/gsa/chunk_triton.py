@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import run_eager
+from ..utils.backend import run_eager
 from ..common import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
                       chunk_local_cumsum, chunk_output, chunk_state_fwd, chunk_states_fwd_bwd, dot_dtype)
 from ..common.intra import intra_chunk_matrix, load_row, load_rows, mm

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import resolve_backend
-from ..decode_checks import check_rows, check_state
+from ..utils.backend import resolve_backend
+from ..utils.decode_checks import check_rows, check_state
 
 
 def gsa_decode_step_torch(q, k, v, f, normalizer, state_k, state_v):

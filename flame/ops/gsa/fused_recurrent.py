@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend, run_eager
-from ..dtypes import autocast_off, to_compute_dtype
-from ..checks import check_gsa_inputs
+from ..utils.backend import resolve_backend, run_eager
+from ..utils.dtypes import autocast_off, to_compute_dtype
+from ..utils.checks import check_gsa_inputs
 from ..decay_chunks import compute_dtype
 from .naive import naive_gsa
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import resolve_backend, run_eager
-from ..checks import value_checks_enabled
-from ..dtypes import autocast_off, to_compute_dtype
+from ..utils.backend import resolve_backend, run_eager
+from ..utils.checks import value_checks_enabled
+from ..utils.dtypes import autocast_off, to_compute_dtype
 from .rows_torch import IGNORE_INDEX, cross_entropy_rows_torch
 
 CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk at most: 8192 rows at V = 32000
@@ -142,7 +142,7 @@ def linear_cross_entropy(hidden, weight, labels, *, scale=1.0, l2wrap=False, chu
     Args:
         hidden: [N, D] floating (the final norm's output, flattened over batch and time).
         weight: [V, D] floating (the head's weight). hidden and weight are cast to one compute dtype
-            (flame.ops.dtypes: the autocast dtype under autocast, else the promoted one); the logits
+            (flame.ops.utils.dtypes: the autocast dtype under autocast, else the promoted one); the logits
             are computed in it with fp32 accumulation, the loss math in fp32.
         labels: [N] int64 class indices; IGNORE_INDEX (-100) rows count for nothing.
         scale: float or one-element tensor multiplying the sum (the trainer passes 1 / the step's
@@ -157,7 +157,7 @@ def linear_cross_entropy(hidden, weight, labels, *, scale=1.0, l2wrap=False, chu
     during this call; the backward only scales them.
 
     Raises TypeError / ValueError naming the argument for bad shapes, dtypes or devices, and, while value
-    checks are on (flame.ops.checks; one host sync), for labels outside [0, V) other than -100.
+    checks are on (flame.ops.utils.checks; one host sync), for labels outside [0, V) other than -100.
     """
     _check_inputs(hidden, weight, labels, scale, chunk_rows)
     hidden, weight = to_compute_dtype(hidden, weight)

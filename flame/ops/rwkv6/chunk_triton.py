@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import run_eager
+from ..utils.backend import run_eager
 from ..common import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
                       chunk_local_cumsum, chunk_output, chunk_scan_states, chunk_state_fwd, chunk_states_fwd_bwd,
                       dot_dtype, walks)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import resolve_backend
-from ..decode_checks import check_head_state, check_rows
+from ..utils.backend import resolve_backend
+from ..utils.decode_checks import check_head_state, check_rows
 
 
 def rwkv6_decode_step_torch(r, k, v, gate, w_lora, time_decay, u, ln_weight, ln_bias, ln_eps, state):

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import resolve_backend
-from ..decode_checks import check_head_state, check_rows
+from ..utils.backend import resolve_backend
+from ..utils.decode_checks import check_head_state, check_rows
 
 
 def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..utils.backend import resolve_backend
 from ..utils.decode_checks import check_rows
+from ..utils.dtypes import accumulation_dtype
 from .segments import ACTIVATIONS, Segment
 
 NORMS = ("layer", "rms")
@@ -42,7 +43,7 @@ NORMS = ("layer", "rms")
 def _norm_rounded(x, weight, bias, eps, norm, silu):
     """The prologue's h: LayerNorm or RMSNorm (`norm`) of x, or of silu(x) with `silu`, computed in
     fp32 (x's dtype when wider) and rounded to x's dtype."""
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = accumulation_dtype(x.dtype)
     z = x.to(acc)
     if silu:
         z = F.silu(z)
@@ -71,7 +72,7 @@ def decode_matmul_torch(x, weight, segments, norm=None, norm_weight=None, norm_b
                         commit=None):
     """decode_matmul in PyTorch; the same contract as `decode_matmul` (arguments checked)."""
     dtype = x.dtype
-    acc = torch.promote_types(dtype, torch.float32)
+    acc = accumulation_dtype(dtype)
     if norm is not None:
         h = _norm_rounded(x, norm_weight, norm_bias, eps, norm, silu)
         if h_out is not None:

@@ -16,7 +16,7 @@ import torch
 
 from ..utils.backend import resolve_backend, run_eager
 from ..utils.checks import value_checks_enabled
-from ..utils.dtypes import autocast_off, to_compute_dtype
+from ..utils.dtypes import accumulation_dtype, autocast_off, to_compute_dtype
 from .rows_torch import IGNORE_INDEX, cross_entropy_rows_torch
 
 CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk at most: 8192 rows at V = 32000
@@ -80,7 +80,7 @@ def chunked_linear_cross_entropy(hidden, weight, labels, l2wrap, chunk_rows, bac
     rows_fn = _rows_fn(backend)
     n, d = hidden.shape
     vocab = weight.shape[0]
-    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    acc_dtype = accumulation_dtype(hidden.dtype)
     need_grad = need_hidden_grad or need_weight_grad
     total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
@@ -125,7 +125,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        factor = _scaled(grad_output.to(torch.promote_types(grad_output.dtype, torch.float32)), ctx.scale)
+        factor = _scaled(grad_output.to(accumulation_dtype(grad_output.dtype)), ctx.scale)
         if grad_hidden is not None:
             # a 0-dim fp32 factor keeps grad_hidden's dtype and multiplies in fp32: 1 / N is not rounded
             # to bf16

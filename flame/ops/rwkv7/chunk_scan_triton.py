@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.intra import mm_prec
+from ..common.chunk_triton.intra import mm_prec
 from .chunk_helpers_triton import cast_to, dot_lowp, load_tile
 from .chunk_plan import WARPS_SCAN
 

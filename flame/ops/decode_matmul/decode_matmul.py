@@ -37,7 +37,7 @@ from ..utils.decode_checks import check_rows
 from ..utils.dtypes import accumulation_dtype
 from .segments import ACTIVATIONS, Segment
 
-NORMS = ("layer", "rms")
+NORM_KINDS = ("layer", "rms")
 
 
 def _norm_rounded(x, weight, bias, eps, norm, silu):
@@ -135,8 +135,8 @@ def _check(x, weight, segments, norm, norm_weight, norm_bias, previous, mu, mix,
         raise ValueError(f"{op}: the segments cover {rows} weight rows, weight has {weight.shape[0]}")
     N = sum(seg.width for seg in segments)
     if norm is not None:
-        if norm not in NORMS:
-            raise ValueError(f"{op}: norm must be one of {NORMS} or None, got {norm!r}")
+        if norm not in NORM_KINDS:
+            raise ValueError(f"{op}: norm must be one of {NORM_KINDS} or None, got {norm!r}")
         for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
             if t is not None and (tuple(t.shape) != (K,) or t.device != x.device):
                 raise ValueError(f"{op}: {name} must be [K] = [{K}] on {x.device}, got {tuple(t.shape)}")

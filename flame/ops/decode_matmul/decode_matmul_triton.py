@@ -125,8 +125,8 @@ def fallback_config(B: int, N: int, K: int, sms: int) -> dict:
     return dict(DOT=True, BB=bb, BN=bn, BK=max(16, bk), num_warps=4, num_stages=3)
 
 
-def block_sizes(B: int, N: int, K: int, sms: int = 132, table: dict | None = None, element_size: int = 2,
-                shared_memory: int | None = None, weight_tiles: int = 1) -> dict:
+def launch_config(B: int, N: int, K: int, sms: int = 132, table: dict | None = None, element_size: int = 2,
+                  shared_memory: int | None = None, weight_tiles: int = 1) -> dict:
     """The launch configuration of B rows, N output columns and K inputs: the tuning table's entry
     for (batch bucket, N, K) (`table`, checked, or flame's decode_matmul_tuning.TABLE), else
     `fallback_config` for a GPU of `sms` SMs; then fitted to `shared_memory` bytes per block
@@ -376,7 +376,7 @@ def _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_o
 def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out,
                          residual, residual_gate, commit, config: dict | None = None, warmup: bool = False):
     """Inputs are already checked (flame.ops.decode_matmul). `config`: a launch configuration
-    (CONFIG_KEYS) in place of `block_sizes`'s; `warmup`: compile the kernel for these arguments
+    (CONFIG_KEYS) in place of `launch_config`'s; `warmup`: compile the kernel for these arguments
     without running it (bench.decode_matmul's sweep compiles its candidates in parallel)."""
     B, K = x.shape[-2:]
     N = sum(seg.width for seg in segments)
@@ -384,9 +384,9 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
         x = _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out)
         norm = previous = mu = mix = h_out = None
     glu = segments[0].act == "swiglu"
-    blocks = block_sizes(B, N, K, _sm_count(x.device), element_size=x.element_size(),
-                         shared_memory=_shared_memory(x.device), weight_tiles=2 if glu else 1
-                         ) if config is None else check_config(config)
+    blocks = launch_config(B, N, K, _sm_count(x.device), element_size=x.element_size(),
+                           shared_memory=_shared_memory(x.device), weight_tiles=2 if glu else 1
+                           ) if config is None else check_config(config)
     tiles = tile_table(segments, blocks["BN"], x.device)
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
     dot_f32 = triton_interpreter_enabled() or x.dtype != torch.bfloat16 and x.dtype != torch.float16

@@ -23,16 +23,16 @@ import triton
 import triton.language as tl
 
 
-def _blocks(K: int, V: int) -> tuple[int, int]:
+def _block_sizes(K: int, V: int) -> tuple[int, int]:
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), 64 if BK <= 64 else 32)
     return BK, BV
 
 
 @triton.jit
-def _fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
-                H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
+def _fused_recurrent_fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
+                                H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n = i_nh // H
@@ -174,7 +174,7 @@ def _bwd_dw_kernel(r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_par
     tl.store(du_part + (i_n * H + i_h) * K + ck, du, mask=m_k)
 
 
-def _layout(B: int, T: int, cu_seqlens, device):
+def _sequence_offsets(B: int, T: int, cu_seqlens, device):
     if cu_seqlens is None:
         return torch.arange(B + 1, device=device, dtype=torch.int64) * T, B
     return cu_seqlens.to(device=device, dtype=torch.int64).contiguous(), cu_seqlens.numel() - 1
@@ -185,12 +185,12 @@ class FusedRecurrentRWKV6Function(torch.autograd.Function):
     def forward(ctx, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens):
         B, T, H, K = r.shape
         V = v.shape[-1]
-        cu, N = _layout(B, T, cu_seqlens, r.device)
-        BK, BV = _blocks(K, V)
+        cu, N = _sequence_offsets(B, T, cu_seqlens, r.device)
+        BK, BV = _block_sizes(K, V)
         h0 = initial_state.float().contiguous() if initial_state is not None else None
         o = torch.empty_like(v)
         ht = torch.empty(N, H, K, V, device=r.device, dtype=torch.float32) if output_final_state else None
-        _fwd_kernel[(N * H, triton.cdiv(V, BV))](
+        _fused_recurrent_fwd_kernel[(N * H, triton.cdiv(V, BV))](
             r, k, v, w, u, o, h0, ht, cu, scale, H=H, K=K, V=V, BK=BK, BV=BV,
             HAS_H0=h0 is not None, STORE_HT=output_final_state)
         ctx.save_for_backward(r, k, v, w, u, h0, ht, cu)
@@ -204,7 +204,7 @@ class FusedRecurrentRWKV6Function(torch.autograd.Function):
         scale, N = ctx.scale, ctx.N
         B, T, H, K = r.shape
         V = v.shape[-1]
-        BK, BV = _blocks(K, V)
+        BK, BV = _block_sizes(K, V)
         NV = triton.cdiv(V, BV)
         do = do.contiguous()
         has_dht = dht is not None and ht is not None

@@ -409,7 +409,7 @@ def kernel_module_tuning_doc() -> str:
 
 
 def install_table(table: dict) -> None:
-    """Make `block_sizes` read `table` in this process (checked as the shipped one is)."""
+    """Make `launch_config` read `table` in this process (checked as the shipped one is)."""
     kernel_module.check_table(table)
     kernel_module.TABLE = table
     kernel_module._checked_table.cache_clear()
@@ -417,7 +417,7 @@ def install_table(table: dict) -> None:
 
 def step_rates(models: dict, batch_sizes: list[int], device, steps: int = 50) -> dict:
     """{(family, B): (ms per step, tokens/s)} of the whole decoding step replayed as a CUDA graph
-    (flame.models.decoder.Decoder) with the table `block_sizes` reads now."""
+    (flame.models.decoder.Decoder) with the table `launch_config` reads now."""
     from flame.models.decoder import Decoder
 
     rates = {}

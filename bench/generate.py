@@ -160,7 +160,7 @@ def bench_flame(family: str, args, device) -> list[dict]:
     import torch
 
     from flame.generate import generate
-    from flame.ops.checks import value_checks_off
+    from flame.ops.utils.checks import value_checks_off
     from flame.models.compiled import compiled_blocks
     from flame.models.decoder import PREFILL_SEGMENT, decoder_for, prefill, release_decoders
 

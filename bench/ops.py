@@ -338,7 +338,7 @@ def main(argv=None) -> None:
     for line in override_launches(args.launch):
         print(f"launch override: {line}")
 
-    from flame.ops.checks import set_value_checks
+    from flame.ops.utils.checks import set_value_checks
     set_value_checks(args.value_checks)
     print(f"device: {torch.cuda.get_device_name()}, dtype {args.dtype}, times in ms (median), "
           f"flame value checks {'on' if args.value_checks else 'off'}")

@@ -28,7 +28,7 @@ import torch
 
 from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command
 from flame.models.compiled import compiled_blocks
-from flame.ops.checks import value_checks_off
+from flame.ops.utils.checks import value_checks_off
 
 
 def lm_metrics(total_nats: float, num_tokens: int, num_bytes: int) -> dict[str, float]:

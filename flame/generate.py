@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command
-from flame.ops.checks import value_checks_off
+from flame.ops.utils.checks import value_checks_off
 from flame.models.decoder import decoder_for, prefill
 
 PROMPT_CONTEXT_TOKENS = 4

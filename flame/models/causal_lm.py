@@ -14,7 +14,7 @@ from torch import nn
 
 from flame.models.init import default_init_skipped
 from flame.models.state import LayerState
-from flame.ops.dtypes import to_compute_dtype
+from flame.ops.utils.dtypes import to_compute_dtype
 from flame.ops.linear_cross_entropy import linear_cross_entropy
 from flame.models.varlen import check_cu_seqlens
 

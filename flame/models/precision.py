@@ -5,7 +5,7 @@ activation. Under `torch.autocast` with fp32 parameters (one GPU, or a user's ow
 runs the matmuls in bf16, but an elementwise op that meets an fp32 parameter promotes to fp32, and
 norms return fp32: the residual stream and the glue between the matmuls would run in fp32, at twice
 the memory traffic and activation memory. The models therefore keep activations in the compute
-dtype: the embedding output is cast to it (`flame.ops.dtypes.to_compute_dtype`), norms return
+dtype: the embedding output is cast to it (`flame.ops.utils.dtypes.to_compute_dtype`), norms return
 their input's dtype (`LayerNorm`, `GroupNorm`, `RMSNorm`), and a per-channel parameter is cast to
 the activation's dtype where it meets an activation (`like`). Without autocast all three leave the
 dtypes alone.

@@ -1,7 +1,7 @@
 """flame.ops: the linear-attention ops of RWKV6, RWKV7 and GSA, the RWKV token-shift lerps and squared
 ReLU, and the fused LM-head loss (see docs/architecture.md)."""
 
-from .checks import set_value_checks
+from .utils.checks import set_value_checks
 from .gsa import chunk_gsa, fused_recurrent_gsa, naive_gsa
 from .linear_cross_entropy import linear_cross_entropy
 from .rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6, naive_rwkv6

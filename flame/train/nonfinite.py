@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from flame.ops.checks import value_checks_off
+from flame.ops.utils.checks import value_checks_off
 from flame.train.step_pipeline import LaunchedStep, StepResult
 
 logger = logging.getLogger("flame.train")

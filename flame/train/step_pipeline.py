@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flame.ops.checks import value_checks_off
+from flame.ops.utils.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.fsdp import MicroBatchSchedule
 from flame.train.gradients import GradNorms, clip_grad_norm

@@ -34,7 +34,7 @@ from flame.config import to_toml
 from flame.data import build_job_dataloader, load_tokenizer
 from flame.models import build_model
 from flame.train import fault_injection
-from flame.ops.checks import value_checks_off
+from flame.ops.utils.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState,
                                     load_exported_weights, write_run_config)

@@ -44,7 +44,7 @@ def decode_launches():
         gsa_decode_step_triton(q, k, v, f, 8.0, torch.zeros(B, HK, K, M), torch.zeros(B, HK, M, K))
     decode_matmul_launches()
     # On CPU tensors the kernels record plain launches; an H100 launches them as programmatic
-    # dependents (flame.ops.dependent_launch), the specialization compiled here.
+    # dependents (flame.ops.utils.dependent_launch), the specialization compiled here.
     return [(kernel, {**values, "PDL": True} if "PDL" in values else values, options)
             for kernel, values, options in launches]
 

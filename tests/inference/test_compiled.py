@@ -16,7 +16,7 @@ from flame.eval import evaluate
 from flame.models import decoder
 from flame.models.compiled import compile_supported, compiled_blocks
 from flame.models.decoder import prefill
-from flame.ops.checks import value_checks_off
+from flame.ops.utils.checks import value_checks_off
 from tests.inference.test_eval import DOCS, write_jsonl
 from tests.models.helpers import FAMILIES
 from tests.models.test_decoding import trained_like

@@ -16,7 +16,7 @@ import torch
 
 from flame.generate import generate
 from flame.models.decoder import Decoder, decoder_for, prefill, release_decoders
-from flame.ops.backend import triton_interpreter_enabled
+from flame.ops.utils.backend import triton_interpreter_enabled
 from flame.ops.gsa.decode_step import gsa_decode_step
 from flame.ops.rwkv6.decode_step import rwkv6_decode_step
 from flame.ops.rwkv7.decode_step import rwkv7_decode_step

@@ -92,7 +92,7 @@ def test_deep_model_compiles_each_block_kind_once(family):
     model = build_seeded(tiny_args(family, hidden_size=32, num_layers=10, backend="triton"))
     for block in model.layers:
         block.compile(backend="eager", fullgraph=True)
-    previous = ops.checks.value_checks_enabled()
+    previous = ops.utils.checks.value_checks_enabled()
     ops.set_value_checks(False)
     try:
         model(torch.randint(0, 97, (1, 17), generator=torch.Generator().manual_seed(0))).sum().backward()

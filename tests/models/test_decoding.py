@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flame.models import LayerState
-from flame.ops.backend import triton_interpreter_enabled
+from flame.ops.utils.backend import triton_interpreter_enabled
 from tests.models.helpers import FAMILIES, build_seeded, tiny_args
 
 SEQ = 40

@@ -121,8 +121,8 @@ BOUND = -0.6065306597126334  # the RWKV7 layer's gate bound: the centred regime
 def _launches(op, family, dtype, calls=({},), **shape):
     """The launches of op (a *_triton host function) on zero-cost CPU inputs of `family`, forward and
     backward, once per keyword set in `calls`, with the GLA core's state passes split (what these small
-    shapes take) and walked (what a training batch takes, flame.ops.common.state.walks)."""
-    from flame.ops.common import state
+    shapes take) and walked (what a training batch takes, flame.ops.common.chunk_triton.state.walks)."""
+    from flame.ops.common.chunk_triton import state
     from tests.ops.inputs import forward_backward, make_inputs
 
     launches = record_launches()

@@ -5,8 +5,8 @@ import torch
 
 from flame.ops import (chunk_gsa, chunk_rwkv6, chunk_rwkv7, fused_recurrent_gsa, fused_recurrent_rwkv6,
                        fused_recurrent_rwkv7, set_value_checks)
-from flame.ops.backend import resolve_backend
-from flame.ops.checks import value_checks_enabled
+from flame.ops.utils.backend import resolve_backend
+from flame.ops.utils.checks import value_checks_enabled
 from tests.ops.inputs import make_cu_seqlens, make_gsa_inputs, make_rwkv6_inputs, make_rwkv7_inputs
 
 

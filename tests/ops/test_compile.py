@@ -2,7 +2,7 @@
 
 Fixed-length chunk ops are custom op pairs (torch.ops.flame.chunk_<family>_fwd / _bwd), opaque to the
 compiler; the other calls (fused recurrent, varlen) run eagerly behind a graph break
-(`flame.ops.backend.run_eager`), since Dynamo tracing into the Triton kernels lets Inductor recompile
+(`flame.ops.utils.backend.run_eager`), since Dynamo tracing into the Triton kernels lets Inductor recompile
 them with fp64 float arguments ("Both operands must be same dtype. Got fp64 and fp32" on an H100).
 Results must equal the eager call bitwise.
 """
@@ -56,7 +56,7 @@ def test_fixed_length_chunk_op_traces_into_one_graph(family, op, extra):
     a compiled function around one has no graph break (fullgraph=True) and equals the eager call
     bitwise. Value checks are off, as in training (they read values on the host)."""
     torch._dynamo.reset()
-    previous = ops.checks.value_checks_enabled()
+    previous = ops.utils.checks.value_checks_enabled()
     ops.set_value_checks(False)
     try:
         inputs = make_inputs(family, B=1, T=40, H=2, K=16, V=16, M=8, dtype=torch.float32, device=DEVICE,

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from flame.ops.backend import triton_interpreter_enabled
+from flame.ops.utils.backend import triton_interpreter_enabled
 from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.decode_matmul.decode_matmul import decode_matmul_torch
 from flame.ops.decode_matmul.decode_matmul_triton import (
-    GEMV_ROWS, block_sizes, check_table, decode_matmul_triton, fallback_config, fit_shared_memory,
+    GEMV_ROWS, check_table, decode_matmul_triton, fallback_config, fit_shared_memory, launch_config,
 )
 from flame.ops.decode_matmul.decode_matmul_tuning import TABLE
 
@@ -160,16 +160,16 @@ def test_launches_are_fitted_to_shared_memory():
     assert small["num_stages"] * (64 + 32) * small["BK"] * 4 <= 0.9 * 99 * 1024
     tiny = fit_shared_memory(config(True, 64, 64, 16, stages=3), 4, 16 * 1024)
     assert (tiny["num_stages"], tiny["BK"]) == (1, 16)  # the smallest it can be
-    assert block_sizes(64, 1024, 1024, element_size=4, shared_memory=h100)["num_stages"] <= \
-        block_sizes(64, 1024, 1024)["num_stages"]
+    assert launch_config(64, 1024, 1024, element_size=4, shared_memory=h100)["num_stages"] <= \
+        launch_config(64, 1024, 1024)["num_stages"]
 
 
 def test_tuning_table_is_checked_and_unseen_shapes_fall_back():
     good = config(True, 16, 32, 64)
     table = {(64, 1024, 1024): good}
-    assert block_sizes(40, 1024, 1024, table=table) == good  # batch bucket 64
-    assert block_sizes(65, 1024, 1024, table=table) == fallback_config(65, 1024, 1024, 132)
-    assert block_sizes(64, 1024, 4096, table=table) == fallback_config(64, 1024, 4096, 132)
+    assert launch_config(40, 1024, 1024, table=table) == good  # batch bucket 64
+    assert launch_config(65, 1024, 1024, table=table) == fallback_config(65, 1024, 1024, 132)
+    assert launch_config(64, 1024, 4096, table=table) == fallback_config(64, 1024, 4096, 132)
     check_table(TABLE)  # the shipped table is well formed
     for bad, match in [({(48, 1024, 1024): good}, "power-of-two bucket"), ({(64, 1024): good}, "three positive"),
                        ({(64, 1024, 1024): config(True, 8, 32, 64)}, "needs BB, BN and BK >= 16"),
@@ -178,7 +178,7 @@ def test_tuning_table_is_checked_and_unseen_shapes_fall_back():
                        ({(64, 1024, 1024): config(False, 4, 8, 64, warps=3)}, "num_warps"),
                        ([good], "must be a dict")]:
         with pytest.raises(ValueError, match=match):
-            block_sizes(64, 1024, 1024, table=bad)
+            launch_config(64, 1024, 1024, table=bad)
 
 
 @pytest.mark.parametrize("B, N, K", [(1, 1024, 1024), (1, 4096, 1024), (3, 1024, 4096), (8, 1024, 4096),
@@ -212,7 +212,7 @@ def test_bad_input_is_named():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 5, 8, 9, 64, 100, 256])
 def test_compiled_kernel_equals_torch_on_cuda(B, dtype):
-    """The compiled kernel (both paths, every block-size regime of block_sizes) against the PyTorch
+    """The compiled kernel (both paths, every block-size regime of launch_config) against the PyTorch
     form on the GPU, at the 340M models' widths, with the full prologue and a gated residual add."""
     gen = torch.Generator(device="cuda").manual_seed(B)
     rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731

@@ -1,8 +1,8 @@
-"""flame.ops.dependent_launch: which launches become programmatic dependents."""
+"""flame.ops.utils.dependent_launch: which launches become programmatic dependents."""
 
 import torch
 
-from flame.ops import dependent_launch as dl
+from flame.ops.utils import dependent_launch as dl
 
 
 def test_only_hopper_gpus_outside_the_interpreter_unless_switched_off(monkeypatch):

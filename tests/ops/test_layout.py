@@ -2,7 +2,7 @@
 
 import torch
 
-from flame.ops.common.layout import chunk_layout, fixed_length_tables
+from flame.ops.common.chunk_triton.layout import chunk_layout, fixed_length_tables
 
 
 def test_fixed_length_tables_contents_and_memo():

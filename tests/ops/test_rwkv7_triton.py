@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flame.ops import checks
+from flame.ops.utils import checks
 from flame.ops.rwkv7.chunk import chunk_rwkv7
 from flame.ops.rwkv7.chunk_plan import centred_chunk_size
 from flame.ops.rwkv7.chunk_triton import chunk_rwkv7_triton

@@ -32,17 +32,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import resolve_backend
-from ..decode_checks import check_rows
+from ..utils.backend import resolve_backend
+from ..utils.decode_checks import check_rows
+from ..utils.dtypes import accumulation_dtype
 from .segments import ACTIVATIONS, Segment
 
-NORMS = ("layer", "rms")
+NORM_KINDS = ("layer", "rms")
 
 
 def _norm_rounded(x, weight, bias, eps, norm, silu):
     """The prologue's h: LayerNorm or RMSNorm (`norm`) of x, or of silu(x) with `silu`, computed in
     fp32 (x's dtype when wider) and rounded to x's dtype."""
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = accumulation_dtype(x.dtype)
     z = x.to(acc)
     if silu:
         z = F.silu(z)
@@ -71,7 +72,7 @@ def decode_matmul_torch(x, weight, segments, norm=None, norm_weight=None, norm_b
                         commit=None):
     """decode_matmul in PyTorch; the same contract as `decode_matmul` (arguments checked)."""
     dtype = x.dtype
-    acc = torch.promote_types(dtype, torch.float32)
+    acc = accumulation_dtype(dtype)
     if norm is not None:
         h = _norm_rounded(x, norm_weight, norm_bias, eps, norm, silu)
         if h_out is not None:
@@ -134,8 +135,8 @@ def _check(x, weight, segments, norm, norm_weight, norm_bias, previous, mu, mix,
         raise ValueError(f"{op}: the segments cover {rows} weight rows, weight has {weight.shape[0]}")
     N = sum(seg.width for seg in segments)
     if norm is not None:
-        if norm not in NORMS:
-            raise ValueError(f"{op}: norm must be one of {NORMS} or None, got {norm!r}")
+        if norm not in NORM_KINDS:
+            raise ValueError(f"{op}: norm must be one of {NORM_KINDS} or None, got {norm!r}")
         for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
             if t is not None and (tuple(t.shape) != (K,) or t.device != x.device):
                 raise ValueError(f"{op}: {name} must be [K] = [{K}] on {x.device}, got {tuple(t.shape)}")

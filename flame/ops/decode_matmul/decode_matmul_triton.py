@@ -8,7 +8,7 @@ accumulates in fp32, with tl.dot tiles (BB >= 16) or, for a few rows, a broadcas
 the weight read is the cost, and a dot tile of one row wastes 15 of its 16), as the launch
 configuration says. The epilogue applies the activation, the residual add and the commit copy of
 the tile's columns. On Hopper the kernels launch as programmatic dependents
-(flame.ops.dependent_launch).
+(flame.ops.utils.dependent_launch).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import triton_interpreter_enabled
-from ..dependent_launch import dependent_launch, launch_options, wait_for_producers
+from ..utils.backend import triton_interpreter_enabled
+from ..utils.dependent_launch import dependent_launch, launch_options, wait_for_producers
 from .segments import ACTIVATIONS
 from .decode_matmul_tuning import TABLE
 
@@ -125,8 +125,8 @@ def fallback_config(B: int, N: int, K: int, sms: int) -> dict:
     return dict(DOT=True, BB=bb, BN=bn, BK=max(16, bk), num_warps=4, num_stages=3)
 
 
-def block_sizes(B: int, N: int, K: int, sms: int = 132, table: dict | None = None, element_size: int = 2,
-                shared_memory: int | None = None, weight_tiles: int = 1) -> dict:
+def launch_config(B: int, N: int, K: int, sms: int = 132, table: dict | None = None, element_size: int = 2,
+                  shared_memory: int | None = None, weight_tiles: int = 1) -> dict:
     """The launch configuration of B rows, N output columns and K inputs: the tuning table's entry
     for (batch bucket, N, K) (`table`, checked, or flame's decode_matmul_tuning.TABLE), else
     `fallback_config` for a GPU of `sms` SMs; then fitted to `shared_memory` bytes per block
@@ -224,7 +224,7 @@ def _row_statistics(x, rows, s_xb, m_b, K, eps, NORM: tl.constexpr, SILU: tl.con
 
 @triton.jit
 def _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, mu, mix, src, s_mp, s_mb, h_out, K,
-                  SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr, WRITE_H: tl.constexpr, write_h):
+                  SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr, STORE_H: tl.constexpr, write_h):
     """A [rows, K block] block of input `src`: h = norm(x) rounded to x's dtype (stored to h_out
     where `write_h`), then with LERP the lerp h + (prev - h) * (mu[src] + mix[src]), rounded once."""
     b_x = tl.load(x + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0).to(tl.float32)
@@ -236,7 +236,7 @@ def _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, m
     if nb is not None:
         b_h = b_h + tl.load(nb + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
     b_h = b_h.to(x.dtype.element_ty)
-    if WRITE_H:
+    if STORE_H:
         tl.store(h_out + rows[:, None] * K + o_k[None, :], b_h, mask=m_bk & write_h)
     if LERP:
         b_hf = b_h.to(tl.float32)
@@ -252,7 +252,7 @@ def _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, m
 @triton.jit
 def _prologue_kernel(x, s_xb, inputs, P, B, K, nw, nb, eps, prev, mu, mix, s_mp, s_mb, h_out,
                      NORM: tl.constexpr, SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr,
-                     WRITE_H: tl.constexpr, PDL: tl.constexpr, BK: tl.constexpr):
+                     STORE_H: tl.constexpr, PDL: tl.constexpr, BK: tl.constexpr):
     """The prologue alone, one program per row: the inputs [P, B, K] that the products read."""
     i_b = tl.program_id(0)
     rows = tl.full([1], i_b, dtype=tl.int64)
@@ -265,7 +265,7 @@ def _prologue_kernel(x, s_xb, inputs, P, B, K, nw, nb, eps, prev, mu, mix, s_mp,
             m_k = o_k < K
             m_bk = m_b[:, None] & m_k[None, :]
             b_a = _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, mu, mix, src, s_mp,
-                                s_mb, h_out, K, SILU, LERP, MIX, WRITE_H, src == 0)
+                                s_mb, h_out, K, SILU, LERP, MIX, STORE_H, src == 0)
             tl.store(inputs + (src * B + rows[:, None]) * K + o_k[None, :], b_a, mask=m_bk)
 
 
@@ -274,7 +274,7 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
                           nw, nb, eps, prev, mu, mix, s_mp, s_mb, h_out,
                           res, gate, s_gb, c_src, c_dst,
                           NORM: tl.constexpr, SILU: tl.constexpr, LERP: tl.constexpr, MIX: tl.constexpr,
-                          WRITE_H: tl.constexpr, RESID: tl.constexpr, GATE: tl.constexpr, COMMIT: tl.constexpr,
+                          STORE_H: tl.constexpr, RESID: tl.constexpr, GATE: tl.constexpr, COMMIT: tl.constexpr,
                           GLU: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
                           BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     i_n = tl.program_id(0)
@@ -315,7 +315,7 @@ def _decode_matmul_kernel(x, s_xp, s_xb, w, tiles, out, N, B, K,
         m_bk = m_b[:, None] & m_k[None, :]
         if NORM != 0:
             b_a = _lerped_block(x, rows, s_xb, o_k, m_k, m_bk, b_mean, b_rstd, nw, nb, prev, mu, mix, src, s_mp, s_mb,
-                                h_out, K, SILU, LERP, MIX, WRITE_H, i_n == 0)
+                                h_out, K, SILU, LERP, MIX, STORE_H, i_n == 0)
         else:
             b_a = tl.load(x + src * s_xp + rows[:, None] * s_xb + o_k[None, :], mask=m_bk, other=0)
         if DOT:
@@ -368,7 +368,7 @@ def _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_o
         x, x.stride(0), inputs, P, B, K, norm_weight, norm_bias if norm == "layer" else None, eps, previous,
         None if mu is None else mu.contiguous(), mix, mix.stride(0) if mix is not None else 0,
         mix.stride(1) if mix is not None else 0, h_out, NORM=1 if norm == "layer" else 2, SILU=bool(silu),
-        LERP=mu is not None, MIX=mix is not None, WRITE_H=h_out is not None, PDL=pdl,
+        LERP=mu is not None, MIX=mix is not None, STORE_H=h_out is not None, PDL=pdl,
         BK=min(1024, max(16, triton.next_power_of_2(K))), num_warps=4, **launch_options(pdl))
     return inputs
 
@@ -376,7 +376,7 @@ def _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_o
 def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out,
                          residual, residual_gate, commit, config: dict | None = None, warmup: bool = False):
     """Inputs are already checked (flame.ops.decode_matmul). `config`: a launch configuration
-    (CONFIG_KEYS) in place of `block_sizes`'s; `warmup`: compile the kernel for these arguments
+    (CONFIG_KEYS) in place of `launch_config`'s; `warmup`: compile the kernel for these arguments
     without running it (bench.decode_matmul's sweep compiles its candidates in parallel)."""
     B, K = x.shape[-2:]
     N = sum(seg.width for seg in segments)
@@ -384,9 +384,9 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
         x = _prologue(x, norm, norm_weight, norm_bias, eps, silu, previous, mu, mix, h_out)
         norm = previous = mu = mix = h_out = None
     glu = segments[0].act == "swiglu"
-    blocks = block_sizes(B, N, K, _sm_count(x.device), element_size=x.element_size(),
-                         shared_memory=_shared_memory(x.device), weight_tiles=2 if glu else 1
-                         ) if config is None else check_config(config)
+    blocks = launch_config(B, N, K, _sm_count(x.device), element_size=x.element_size(),
+                           shared_memory=_shared_memory(x.device), weight_tiles=2 if glu else 1
+                           ) if config is None else check_config(config)
     tiles = tile_table(segments, blocks["BN"], x.device)
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
     dot_f32 = triton_interpreter_enabled() or x.dtype != torch.bfloat16 and x.dtype != torch.float16
@@ -402,7 +402,7 @@ def decode_matmul_triton(x, weight, segments, norm, norm_weight, norm_bias, eps,
     )
     options = dict(
         NORM=0 if norm is None else 1 if norm == "layer" else 2, SILU=bool(silu), LERP=mu is not None,
-        MIX=mix is not None, WRITE_H=h_out is not None, RESID=residual is not None, GATE=residual_gate is not None,
+        MIX=mix is not None, STORE_H=h_out is not None, RESID=residual is not None, GATE=residual_gate is not None,
         COMMIT=commit is not None, GLU=glu, DOT=blocks["DOT"], DOT_F32=dot_f32, PDL=pdl, BB=blocks["BB"],
         BN=blocks["BN"], BK=blocks["BK"], num_warps=blocks["num_warps"], num_stages=blocks["num_stages"],
         **launch_options(pdl),

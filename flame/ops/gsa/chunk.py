@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend
-from ..dtypes import autocast_off, to_compute_dtype
-from ..checks import check_gsa_inputs
+from ..utils.backend import resolve_backend
+from ..utils.dtypes import autocast_off, to_compute_dtype
+from ..utils.checks import check_gsa_inputs
 from .chunk_torch import chunk_gsa_torch
 
 
@@ -16,7 +16,7 @@ def chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=F
         q: [B, T, HQ, K] token-major, HQ = G * H (query head j reads key/value head j // G).
         k: [B, T, H, K]; v: [B, T, H, V]; s, g: [B, T, H, M] slot write weights and slot log-forget
             (g <= 0; the layer uses g = logsigmoid(f) / 8 and s = 1 - exp(g)). g=None (gates derived
-            from s) is not defined and is rejected. Mixed floating dtypes are cast to one compute dtype (flame.ops.dtypes).
+            from s) is not defined and is rejected. Mixed floating dtypes are cast to one compute dtype (flame.ops.utils.dtypes).
         scale: multiplies q (the GSA layer uses 1.0).
         initial_state: (hk [N, H, K, M], hv [N, H, M, V]) or None; N = B, or len(cu_seqlens) - 1.
         output_final_state: return the final state pair.
@@ -28,7 +28,7 @@ def chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=F
 
     Raises ValueError / TypeError naming the argument for inconsistent shapes (including a
     head-first tensor whose head count disagrees with the other inputs or the states), dtypes,
-    devices, bad cu_seqlens, g=None, or a positive log-forget (a value check, see flame.ops.checks).
+    devices, bad cu_seqlens, g=None, or a positive log-forget (a value check, see flame.ops.utils.checks).
     """
     q, k, v, s, g = to_compute_dtype(q, k, v, s, g)
     check_gsa_inputs("chunk_gsa", q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from ..decay_chunks import (DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_mix, decayed_scores, from_chunks,
-                            per_sequence, to_chunks)
+from ..common.chunk_torch import (DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, decayed_mix, decayed_scores, from_chunks,
+                                  per_sequence, to_chunks)
+from ..utils.dtypes import accumulation_dtype
 
 
 def _chunk_gsa(q, k, v, s, g, scale, state, chunk_size, sub_chunk):
     """One batch of equal-length sequences with HQ == H; state = (hk [B,H,K,M], hv [B,H,M,V]) in the
-    compute dtype. Returns (o, (hk, hv))."""
+    accumulation dtype. Returns (o, (hk, hv))."""
     hk, hv = state
     dt = hk.dtype
     T = q.shape[1]
@@ -64,7 +65,7 @@ def chunk_gsa_torch(q, k, v, s, g, scale=1.0, initial_state=None, output_final_s
     Returns (o [B,T,HQ,V] in q's dtype, (hk, hv) in fp32 (fp64 for fp64 inputs) or None).
     With cu_seqlens each sequence runs on its own, so chunks never cross a boundary.
     """
-    dt = compute_dtype(q.dtype)
+    dt = accumulation_dtype(q.dtype)
     B, T, HQ, K = q.shape
     H, M, V = k.shape[2], s.shape[-1], v.shape[-1]
     group = HQ // H

@@ -1,7 +1,7 @@
 """Triton chunked GSA: two gated-linear-attention passes around an fp32 softmax
 (docs/kernels.md#gsa-chunked-forward, #gsa-chunked-backward).
 
-Both passes share the gate g on the slot axis M and its fp32 chunk-local cumsum (flame.ops.common).
+Both passes share the gate g on the slot axis M and its fp32 chunk-local cumsum (flame.ops.common.chunk_triton).
 
 Pass V (slots -> values, gate on the slot ROWS of Hv [M, V]) is exactly the core's key-side GLA,
 inclusive, with q = p (fp32 slot probabilities), k = s, v = v, scale 1: forward and backward are the
@@ -36,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import run_eager
-from ..common import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
+from ..utils.backend import run_eager
+from ..common.chunk_triton import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
                       chunk_local_cumsum, chunk_output, chunk_state_fwd, chunk_states_fwd_bwd, dot_dtype)
-from ..common.intra import intra_chunk_matrix, load_row, load_rows, mm
-from ..common.layout import chunk_span
+from ..common.chunk_triton.intra import intra_chunk_matrix, load_row, load_rows, mm
+from ..common.chunk_triton.layout import chunk_span
 
 
 @triton.jit

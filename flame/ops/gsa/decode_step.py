@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import resolve_backend
-from ..decode_checks import check_rows, check_state
+from ..utils.backend import resolve_backend
+from ..utils.decode_checks import check_rows, check_state
+from ..utils.dtypes import accumulation_dtype
 
 
 def gsa_decode_step_torch(q, k, v, f, normalizer, state_k, state_v):
@@ -27,7 +28,7 @@ def gsa_decode_step_torch(q, k, v, f, normalizer, state_k, state_v):
     HQ = q.shape[1] // K
     G = HQ // H
     dtype = q.dtype
-    acc = torch.promote_types(dtype, torch.float32)
+    acc = accumulation_dtype(dtype)
     q = F.silu(q.to(acc)).view(B, H, G, K)
     k = F.silu(k.to(acc)).view(B, H, K)
     v = F.silu(v.to(acc)).view(B, H, -1)

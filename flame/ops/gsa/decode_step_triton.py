@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dependent_launch import dependent_launch, launch_options, wait_for_producers
+from ..utils.dependent_launch import dependent_launch, launch_options, wait_for_producers
 
 TILE_ELEMENTS = 8192
 """fp32 state elements per block of the walk (8 warps): two blocks per state at K = 256, M = 64,

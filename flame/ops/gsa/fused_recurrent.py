@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend, run_eager
-from ..dtypes import autocast_off, to_compute_dtype
-from ..checks import check_gsa_inputs
-from ..decay_chunks import compute_dtype
+from ..utils.backend import resolve_backend, run_eager
+from ..utils.dtypes import accumulation_dtype, autocast_off, to_compute_dtype
+from ..utils.checks import check_gsa_inputs
 from .naive import naive_gsa
 
 
 def fused_recurrent_gsa_torch(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=False,
                               cu_seqlens=None):
     """The naive recurrence run on fp32 copies of the inputs (fp64 stays fp64); o back in q's dtype."""
-    dt = compute_dtype(q.dtype)
+    dt = accumulation_dtype(q.dtype)
     state = None if initial_state is None else tuple(h.to(dt) for h in initial_state)
     o, final = naive_gsa(*(x.to(dt) for x in (q, k, v, s, g)), scale, state, output_final_state, cu_seqlens)
     return o.to(q.dtype), final

@@ -268,7 +268,7 @@ def _warps(elements: int) -> int:
     return 8 if elements >= 8192 else 4
 
 
-def _layout(q, k, v, s, cu_seqlens):
+def _dims(q, k, v, s, cu_seqlens):
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[-1], s.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -277,7 +277,7 @@ def _layout(q, k, v, s, cu_seqlens):
 
 def fused_recurrent_gsa_fwd(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens):
     """Returns o (input dtype), p (fp32 softmax over slots) and the fp32 final states (or None)."""
-    B, T, H, NG, K, V, M, N = _layout(q, k, v, s, cu_seqlens)
+    B, T, H, NG, K, V, M, N = _dims(q, k, v, s, cu_seqlens)
     BK, BM, BV = max(_next_pow2(K), 16), max(_next_pow2(M), 16), _block_v(V)
     NV = triton.cdiv(V, BV)
     varlen = cu_seqlens is not None
@@ -299,7 +299,7 @@ def fused_recurrent_gsa_fwd(q, k, v, s, g, scale, hk0, hv0, output_final_state, 
 
 
 def fused_recurrent_gsa_bwd(q, k, v, s, g, scale, hk0, hv0, p, do, dhkT, dhvT, dg_last, cu_seqlens):
-    B, T, H, NG, K, V, M, N = _layout(q, k, v, s, cu_seqlens)
+    B, T, H, NG, K, V, M, N = _dims(q, k, v, s, cu_seqlens)
     BK, BM, BV = max(_next_pow2(K), 16), max(_next_pow2(M), 16), _block_v(V)
     NV = triton.cdiv(V, BV)
     varlen = cu_seqlens is not None

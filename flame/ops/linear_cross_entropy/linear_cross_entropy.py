@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import resolve_backend, run_eager
-from ..checks import value_checks_enabled
-from ..dtypes import autocast_off, to_compute_dtype
+from ..utils.backend import resolve_backend, run_eager
+from ..utils.checks import value_checks_enabled
+from ..utils.dtypes import accumulation_dtype, autocast_off, to_compute_dtype
 from .rows_torch import IGNORE_INDEX, cross_entropy_rows_torch
 
 CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk at most: 8192 rows at V = 32000
@@ -80,7 +80,7 @@ def chunked_linear_cross_entropy(hidden, weight, labels, l2wrap, chunk_rows, bac
     rows_fn = _rows_fn(backend)
     n, d = hidden.shape
     vocab = weight.shape[0]
-    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    acc_dtype = accumulation_dtype(hidden.dtype)
     need_grad = need_hidden_grad or need_weight_grad
     total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
@@ -125,7 +125,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        factor = _scaled(grad_output.to(torch.promote_types(grad_output.dtype, torch.float32)), ctx.scale)
+        factor = _scaled(grad_output.to(accumulation_dtype(grad_output.dtype)), ctx.scale)
         if grad_hidden is not None:
             # a 0-dim fp32 factor keeps grad_hidden's dtype and multiplies in fp32: 1 / N is not rounded
             # to bf16
@@ -142,7 +142,7 @@ def linear_cross_entropy(hidden, weight, labels, *, scale=1.0, l2wrap=False, chu
     Args:
         hidden: [N, D] floating (the final norm's output, flattened over batch and time).
         weight: [V, D] floating (the head's weight). hidden and weight are cast to one compute dtype
-            (flame.ops.dtypes: the autocast dtype under autocast, else the promoted one); the logits
+            (flame.ops.utils.dtypes: the autocast dtype under autocast, else the promoted one); the logits
             are computed in it with fp32 accumulation, the loss math in fp32.
         labels: [N] int64 class indices; IGNORE_INDEX (-100) rows count for nothing.
         scale: float or one-element tensor multiplying the sum (the trainer passes 1 / the step's
@@ -157,7 +157,7 @@ def linear_cross_entropy(hidden, weight, labels, *, scale=1.0, l2wrap=False, chu
     during this call; the backward only scales them.
 
     Raises TypeError / ValueError naming the argument for bad shapes, dtypes or devices, and, while value
-    checks are on (flame.ops.checks; one host sync), for labels outside [0, V) other than -100.
+    checks are on (flame.ops.utils.checks; one host sync), for labels outside [0, V) other than -100.
     """
     _check_inputs(hidden, weight, labels, scale, chunk_rows)
     hidden, weight = to_compute_dtype(hidden, weight)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..utils.dtypes import accumulation_dtype
+
 IGNORE_INDEX = -100
 L2WRAP_FACTOR = 1e-4
 
@@ -17,7 +19,7 @@ def cross_entropy_rows_torch(logits: torch.Tensor, labels: torch.Tensor, l2wrap:
     row's arg-max column (RWKV7's L2Wrap); ignored rows get exactly 0, by selection, so that a
     non-finite logit on an ignored row does not leak into the gradient.
     """
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    x = logits.to(accumulation_dtype(logits.dtype))
     valid = labels != IGNORE_INDEX
     target = torch.where(valid, labels, 0).unsqueeze(1)
     lse = torch.logsumexp(x, dim=1)

@@ -26,7 +26,7 @@ from .rows_torch import IGNORE_INDEX, L2WRAP_FACTOR
 def _cross_entropy_rows_kernel(
     logits, labels, loss, V, stride,
     IGNORE: tl.constexpr, FACTOR: tl.constexpr, BLOCK_V: tl.constexpr,
-    L2WRAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    L2WRAP: tl.constexpr, STORE_GRAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
@@ -52,7 +52,7 @@ def _cross_entropy_rows_kernel(
     lse = m + tl.log(s)
     tl.store(loss + row, tl.where(valid, lse - picked, 0.0))
 
-    if WRITE_GRAD:
+    if STORE_GRAD:
         for start in range(0, V, BLOCK_V):
             idx = start + cols
             mask = idx < V
@@ -77,7 +77,7 @@ def cross_entropy_rows_triton(logits: torch.Tensor, labels: torch.Tensor, l2wrap
     block = min(triton.next_power_of_2(vocab), 4096)
     _cross_entropy_rows_kernel[(n,)](
         logits, labels, loss, vocab, logits.stride(0),
-        IGNORE=IGNORE_INDEX, FACTOR=L2WRAP_FACTOR, BLOCK_V=block, L2WRAP=l2wrap, WRITE_GRAD=need_grad,
+        IGNORE=IGNORE_INDEX, FACTOR=L2WRAP_FACTOR, BLOCK_V=block, L2WRAP=l2wrap, STORE_GRAD=need_grad,
         num_warps=8 if block >= 2048 else 4,
     )
     return loss, logits if need_grad else None

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend
-from ..dtypes import autocast_off, to_compute_dtype
-from ..checks import check_rwkv6_inputs
+from ..utils.backend import resolve_backend
+from ..utils.dtypes import autocast_off, to_compute_dtype
+from ..utils.checks import check_rwkv6_inputs
 from .chunk_torch import chunk_rwkv6_torch
 
 
@@ -28,7 +28,7 @@ def chunk_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state
 
     Raises ValueError / TypeError naming the argument for inconsistent shapes (including a
     head-first tensor whose head count disagrees with u, the state or the other inputs), dtypes,
-    devices, bad cu_seqlens, or a positive log-decay (a value check, see flame.ops.checks).
+    devices, bad cu_seqlens, or a positive log-decay (a value check, see flame.ops.utils.checks).
     """
     r, k, v, w, u = to_compute_dtype(r, k, v, w, u)
     check_rwkv6_inputs("chunk_rwkv6", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)

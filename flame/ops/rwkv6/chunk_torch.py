@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from ..decay_chunks import (DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, compute_dtype, decayed_scores, from_chunks,
-                            per_sequence, to_chunks)
+from ..common.chunk_torch import (DEFAULT_CHUNK, DEFAULT_SUB_CHUNK, decayed_scores, from_chunks,
+                                  per_sequence, to_chunks)
+from ..utils.dtypes import accumulation_dtype
 
 
 def _chunk_rwkv6(r, k, v, w, u, scale, state, chunk_size, sub_chunk):
-    """One batch of equal-length sequences; state [B,H,K,V] in the compute dtype (never None)."""
+    """One batch of equal-length sequences; state [B,H,K,V] in the accumulation dtype (never None)."""
     dt = state.dtype
     T = r.shape[1]
     rc, kc, vc, wc = (to_chunks(x, chunk_size, dt) for x in (r, k, v, w))       # [B,H,NC,C,D]
@@ -49,7 +50,7 @@ def chunk_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, output_final
     Returns (o in r's dtype, final state [N,H,K,V] in fp32 (fp64 for fp64 inputs) or None).
     With cu_seqlens each sequence runs on its own, so chunks never cross a boundary.
     """
-    dt = compute_dtype(r.dtype)
+    dt = accumulation_dtype(r.dtype)
     B, T, H, K = r.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     h0 = r.new_zeros(N, H, K, v.shape[-1], dtype=dt) if initial_state is None else initial_state.to(dt)

@@ -2,13 +2,13 @@
 (docs/kernels.md#rwkv6-chunked-forward to #rwkv6-chunked-backward).
 
 RWKV6 is GLA with the gate on the key side, an exclusive query decay and the bonus u on the
-diagonal: exactly the `exclusive=True, u=u` configuration of flame.ops.common. Chunk size 64,
+diagonal: exactly the `exclusive=True, u=u` configuration of flame.ops.common.chunk_triton. Chunk size 64,
 sub-chunks of 16. Saved between forward and backward: the inputs and the fp32 intra-chunk matrix A
 [B, T, H, 64] (as fla does); the cumsum and the per-chunk states are recomputed in the backward.
 
 Forward: cumsum; A; the per-chunk states; the output. Backward: cumsum; the states and the state
 gradients; dv with dA; dq, dk, dw, du. The state passes walk the chunks with the state in registers
-where N x H x tiles fills the GPU (flame.ops.common.state.walks); elsewhere the intra kernel forms
+where N x H x tiles fills the GPU (flame.ops.common.chunk_triton.state.walks); elsewhere the intra kernel forms
 the chunks' local state terms alongside A and an elementwise scan carries them.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import run_eager
-from ..common import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
+from ..utils.backend import run_eager
+from ..common.chunk_triton import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
                       chunk_local_cumsum, chunk_output, chunk_scan_states, chunk_state_fwd, chunk_states_fwd_bwd,
                       dot_dtype, walks)
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import resolve_backend
-from ..decode_checks import check_head_state, check_rows
+from ..utils.backend import resolve_backend
+from ..utils.decode_checks import check_head_state, check_rows
+from ..utils.dtypes import accumulation_dtype
 
 
 def rwkv6_decode_step_torch(r, k, v, gate, w_lora, time_decay, u, ln_weight, ln_bias, ln_eps, state):
@@ -26,7 +27,7 @@ def rwkv6_decode_step_torch(r, k, v, gate, w_lora, time_decay, u, ln_weight, ln_
     B, C = r.shape
     H, N = u.shape
     dtype = r.dtype
-    acc = torch.promote_types(dtype, torch.float32)
+    acc = accumulation_dtype(dtype)
     rh, kh, vh = (t.to(acc).view(B, H, N) for t in (r, k, v))
     w = -torch.exp(time_decay.to(acc) + w_lora.to(acc)).view(B, H, N)
     S = state.to(acc)

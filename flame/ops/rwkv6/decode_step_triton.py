@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dependent_launch import dependent_launch, launch_options, wait_for_producers
+from ..utils.dependent_launch import dependent_launch, launch_options, wait_for_producers
 
 
 @triton.jit

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend, run_eager
-from ..dtypes import autocast_off, to_compute_dtype
-from ..checks import check_rwkv6_inputs
-from ..decay_chunks import compute_dtype
+from ..utils.backend import resolve_backend, run_eager
+from ..utils.dtypes import accumulation_dtype, autocast_off, to_compute_dtype
+from ..utils.checks import check_rwkv6_inputs
 from .naive import naive_rwkv6
 
 
 def fused_recurrent_rwkv6_torch(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state=False,
                                 cu_seqlens=None):
     """The naive recurrence run on fp32 copies of the inputs (fp64 stays fp64); o back in r's dtype."""
-    dt = compute_dtype(r.dtype)
+    dt = accumulation_dtype(r.dtype)
     o, final = naive_rwkv6(r.to(dt), k.to(dt), v.to(dt), w.to(dt), u.to(dt), scale,
                            None if initial_state is None else initial_state.to(dt), output_final_state, cu_seqlens)
     return o.to(r.dtype), final

@@ -23,16 +23,16 @@ import triton
 import triton.language as tl
 
 
-def _blocks(K: int, V: int) -> tuple[int, int]:
+def _block_sizes(K: int, V: int) -> tuple[int, int]:
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), 64 if BK <= 64 else 32)
     return BK, BV
 
 
 @triton.jit
-def _fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
-                H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+def _fused_recurrent_fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
+                                H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n = i_nh // H
@@ -47,7 +47,7 @@ def _fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
     s_off = (i_n * H + i_h) * K * V + ck[:, None] * V + cv[None, :]
     uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
+    if HAS_H0:
         S += tl.load(h0 + s_off, mask=m_kv, other=0.0).to(tl.float32)
     for t in range(bos, eos):
         p_k = (t * H + i_h) * K + ck
@@ -66,7 +66,7 @@ def _fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
 @triton.jit
 def _bwd_dr_kernel(k, v, w, do, h0, dr_part, cu_seqlens, scale,
                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   NV: tl.constexpr, USE_H0: tl.constexpr):
+                   NV: tl.constexpr, HAS_H0: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n = i_nh // H
@@ -78,7 +78,7 @@ def _bwd_dr_kernel(k, v, w, do, h0, dr_part, cu_seqlens, scale,
     m_k = ck < K
     m_v = cv < V
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
+    if HAS_H0:
         S += tl.load(h0 + (i_n * H + i_h) * K * V + ck[:, None] * V + cv[None, :],
                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     for t in range(bos, eos):
@@ -96,7 +96,7 @@ def _bwd_dr_kernel(k, v, w, do, h0, dr_part, cu_seqlens, scale,
 @triton.jit
 def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    NV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+                    NV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n = i_nh // H
@@ -111,7 +111,7 @@ def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale,
     s_off = (i_n * H + i_h) * K * V + ck[:, None] * V + cv[None, :]
     uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
     dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
+    if HAS_DHT:
         dS += tl.load(dht + s_off, mask=m_kv, other=0.0).to(tl.float32)
     for i in range(0, eos - bos):
         t = eos - 1 - i
@@ -134,7 +134,7 @@ def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale,
 @triton.jit
 def _bwd_dw_kernel(r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_part, cu_seqlens, scale,
                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
-                   NV: tl.constexpr, USE_G: tl.constexpr):
+                   NV: tl.constexpr, HAS_DHT: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
     i_n = i_nh // H
     i_h = i_nh % H
@@ -146,7 +146,7 @@ def _bwd_dw_kernel(r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_par
     m_v = cv < V
     uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
     g = tl.zeros([BK], dtype=tl.float32)
-    if USE_G:
+    if HAS_DHT:
         g += tl.load(g_final + (i_n * H + i_h) * K + ck, mask=m_k, other=0.0)
     z = tl.zeros([BK], dtype=tl.float32)     # Σ_{τ >= t} (r * dr' - k * dk')_τ
     du = tl.zeros([BK], dtype=tl.float32)
@@ -174,7 +174,7 @@ def _bwd_dw_kernel(r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_par
     tl.store(du_part + (i_n * H + i_h) * K + ck, du, mask=m_k)
 
 
-def _layout(B: int, T: int, cu_seqlens, device):
+def _sequence_offsets(B: int, T: int, cu_seqlens, device):
     if cu_seqlens is None:
         return torch.arange(B + 1, device=device, dtype=torch.int64) * T, B
     return cu_seqlens.to(device=device, dtype=torch.int64).contiguous(), cu_seqlens.numel() - 1
@@ -185,14 +185,14 @@ class FusedRecurrentRWKV6Function(torch.autograd.Function):
     def forward(ctx, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens):
         B, T, H, K = r.shape
         V = v.shape[-1]
-        cu, N = _layout(B, T, cu_seqlens, r.device)
-        BK, BV = _blocks(K, V)
+        cu, N = _sequence_offsets(B, T, cu_seqlens, r.device)
+        BK, BV = _block_sizes(K, V)
         h0 = initial_state.float().contiguous() if initial_state is not None else None
         o = torch.empty_like(v)
         ht = torch.empty(N, H, K, V, device=r.device, dtype=torch.float32) if output_final_state else None
-        _fwd_kernel[(N * H, triton.cdiv(V, BV))](
+        _fused_recurrent_fwd_kernel[(N * H, triton.cdiv(V, BV))](
             r, k, v, w, u, o, h0, ht, cu, scale, H=H, K=K, V=V, BK=BK, BV=BV,
-            USE_H0=h0 is not None, STORE_HT=output_final_state)
+            HAS_H0=h0 is not None, STORE_HT=output_final_state)
         ctx.save_for_backward(r, k, v, w, u, h0, ht, cu)
         ctx.scale, ctx.N = scale, N
         ctx.h0_dtype = initial_state.dtype if initial_state is not None else None
@@ -204,26 +204,26 @@ class FusedRecurrentRWKV6Function(torch.autograd.Function):
         scale, N = ctx.scale, ctx.N
         B, T, H, K = r.shape
         V = v.shape[-1]
-        BK, BV = _blocks(K, V)
+        BK, BV = _block_sizes(K, V)
         NV = triton.cdiv(V, BV)
         do = do.contiguous()
-        use_dht = dht is not None and ht is not None
-        dht = dht.float().contiguous() if use_dht else None
+        has_dht = dht is not None and ht is not None
+        dht = dht.float().contiguous() if has_dht else None
         dr_part = torch.empty(B, T, H, NV, K, device=r.device, dtype=torch.float32)
         dk_part = torch.empty(B, T, H, NV, K, device=r.device, dtype=torch.float32)
         dv = torch.empty_like(v)
         dh0 = torch.empty(N, H, K, V, device=r.device, dtype=torch.float32) if h0 is not None else None
         grid = (N * H, NV)
         _bwd_dr_kernel[grid](k, v, w, do, h0, dr_part, cu, scale, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV,
-                             USE_H0=h0 is not None)
+                             HAS_H0=h0 is not None)
         _bwd_dkv_kernel[grid](r, k, v, w, u, do, dht, dk_part, dv, dh0, cu, scale, H=H, K=K, V=V,
-                              BK=BK, BV=BV, NV=NV, USE_DHT=use_dht, STORE_DH0=h0 is not None)
-        g_final = (ht * dht).sum(-1).contiguous() if use_dht else None
+                              BK=BK, BV=BV, NV=NV, HAS_DHT=has_dht, STORE_DH0=h0 is not None)
+        g_final = (ht * dht).sum(-1).contiguous() if has_dht else None
         dr, dk, dw = torch.empty_like(r), torch.empty_like(k), torch.empty_like(w)
         du_part = torch.empty(N, H, K, device=r.device, dtype=torch.float32)
         _bwd_dw_kernel[(N * H,)](r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_part, cu, scale,
                                  H=H, K=K, V=V, BK=BK, BVF=max(16, triton.next_power_of_2(V)), NV=NV,
-                                 USE_G=use_dht)
+                                 HAS_DHT=has_dht)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
         return dr, dk, dv, dw, du_part.sum(0).to(u.dtype), None, dh0, None, None
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..backend import resolve_backend
-from ..dtypes import autocast_off, to_compute_dtype
-from ..checks import check_rwkv7_inputs
+from ..utils.backend import resolve_backend
+from ..utils.dtypes import autocast_off, to_compute_dtype
+from ..utils.checks import check_rwkv7_inputs
 from .chunk_torch import chunk_rwkv7_torch
 
 
@@ -15,7 +15,7 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     Args:
         r, w, k, a, b: [B, T, H, K] token-major (not head-first [B, H, T, K]); w is the log-decay
             (<= 0). In the RWKV7 layer a = -kappa_hat and b = kappa_hat * alpha.
-        v: [B, T, H, V] (K != V allowed). Mixed floating dtypes are cast to one compute dtype (flame.ops.dtypes: the autocast dtype under autocast, else the promoted one).
+        v: [B, T, H, V] (K != V allowed). Mixed floating dtypes are cast to one compute dtype (flame.ops.utils.dtypes: the autocast dtype under autocast, else the promoted one).
         scale: multiplies r (the RWKV7 layer uses 1.0).
         initial_state: [N, H, K, V] or None; N = B, or len(cu_seqlens) - 1 in varlen mode.
         output_final_state: return the final state.
@@ -38,7 +38,7 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     Raises ValueError / TypeError naming the argument for inconsistent shapes (a head-first tensor
     is caught when its head count disagrees with the other inputs or the state; all-head-first
     inputs without a state cannot be detected), dtypes, devices, bad cu_seqlens, a positive
-    log-decay or a violated gate_lower_bound (value checks, see flame.ops.checks).
+    log-decay or a violated gate_lower_bound (value checks, see flame.ops.utils.checks).
     """
     r, w, k, v, a, b = to_compute_dtype(r, w, k, v, a, b)
     check_rwkv7_inputs("chunk_rwkv7", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.intra import mm_prec, mm_tf32_if
+from ..common.chunk_triton.intra import mm_prec, mm_tf32_if
 from .chunk_helpers_triton import (cast_to, centre_factors, chunk_tile, fallback_heads, gate_cumsums, load_tile,
                                    pairwise_cols_bwd, regime_selected, rows_bwd)
 from .chunk_plan import WARPS_CHUNK

@@ -6,7 +6,7 @@ backward kernels share (chunk_triton.py describes the kernels)."""
 import triton
 import triton.language as tl
 
-from ..common.intra import mm_prec, round_to_bf16
+from ..common.chunk_triton.intra import mm_prec, round_to_bf16
 
 
 @triton.jit

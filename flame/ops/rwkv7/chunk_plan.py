@@ -3,12 +3,12 @@ sizes, operand precisions and launch settings, all decided on the host from the 
 the gate bound before any kernel runs (chunk_triton.py describes the kernels)."""
 
 import math
-import os
 
 import torch
 import triton
 
-from ..common.layout import fixed_length_tables
+from ..common.chunk_triton.layout import fixed_length_tables
+from ..utils.backend import triton_interpreter_enabled
 
 LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
@@ -18,10 +18,6 @@ MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
 # warps would halve their registers per thread.
 WARPS_CHUNK = 4
 WARPS_SCAN = 4
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def centred_chunk_size(gate_lower_bound) -> int | None:
@@ -107,7 +103,7 @@ class ChunkPlan:
         self.BV_bwd = min(max(triton.next_power_of_2(V), 16), 32)  # V block of the backward's reductions over V
         # the scans prefetch the next chunk's matrices (2 stages) where shared memory allows
         self.scan_stages = 2 if self.BK <= 64 else 1
-        interp = _interpreting()
+        interp = triton_interpreter_enabled()
         # the state recurrence A S: 3xTF32 for every input dtype (plain TF32 overflows a trained head,
         # tests/ops/test_rwkv7_bf16_trained_head.py)
         self.prec_state = "tf32x3"

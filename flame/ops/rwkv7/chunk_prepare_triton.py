@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.intra import mm_prec
+from ..common.chunk_triton.intra import mm_prec
 from .chunk_helpers_triton import (cast_to, centre_factors, centred_a_side, centred_q_side, chunk_tile, cumsums_of,
                                    fallback_heads, gates_keep_bound, load_tile, pairwise_a_side, pairwise_q_side,
                                    regime_selected)

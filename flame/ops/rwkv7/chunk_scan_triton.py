@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.intra import mm_prec
+from ..common.chunk_triton.intra import mm_prec
 from .chunk_helpers_triton import cast_to, dot_lowp, load_tile
 from .chunk_plan import WARPS_SCAN
 
@@ -52,18 +52,18 @@ def _load_chunk_maps(Qs, Es, Cs, As, t0, i_c, i_h, H, K, BT: tl.constexpr, p_k0,
 def _scan_fwd_kernel(
     v, Qs, Es, Cs, As, h0, hs, ht, o, cu_seqlens, chunk_offsets,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """One sequence*head and V-block: O = Q' S + E V and S <- A S + C^T V, chunk after chunk."""
     _scan_fwd_program(v, Qs, Es, Cs, As, h0, hs, ht, o, cu_seqlens, chunk_offsets, tl.program_id(0), tl.program_id(1),
-                      H, K, V, BT, BK, BV, USE_H0, STORE_HS, STORE_HT, True, LOWP, PREC)
+                      H, K, V, BT, BK, BV, HAS_H0, STORE_HS, STORE_HT, True, LOWP, PREC)
 
 
 @triton.jit
 def _scan_fwd_program(
     v, Qs, Es, Cs, As, h0, hs, ht, o, cu_seqlens, chunk_offsets, i_nh, i_v,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr, LOWP: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr, LOWP: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """The forward scan of sequence*head i_nh and V-block i_v; the states S^in of every chunk go to hs
@@ -72,7 +72,7 @@ def _scan_fwd_program(
         cu_seqlens, chunk_offsets, i_nh, i_v, H, K, V, BT, BK, BV)
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
+    if HAS_H0:
         S += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
     for i_t in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_t * BT
@@ -94,19 +94,19 @@ def _scan_fwd_program(
 def _scan_bwd_kernel(
     do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """One sequence*head and V-block, last chunk first: dV = E^T dO + C dS and dS <- A^T dS + Q'^T dO;
     dS^out of every chunk goes to dhs."""
     _scan_bwd_program(do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets, tl.program_id(0),
-                      tl.program_id(1), H, K, V, BT, BK, BV, USE_DHT, STORE_DH0, LOWP, PREC)
+                      tl.program_id(1), H, K, V, BT, BK, BV, HAS_DHT, STORE_DH0, LOWP, PREC)
 
 
 @triton.jit
 def _scan_pair_kernel(
     v, do, Qs, Es, Cs, As, h0, hs, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """The backward's two scans in one launch, for a forward that did not keep its states: programs
     of grid axis 2 = 0 run the forward scan again for the states hs (no output), those of axis 2 = 1
@@ -115,24 +115,24 @@ def _scan_pair_kernel(
     other."""
     if tl.program_id(2) == 0:
         _scan_fwd_program(v, Qs, Es, Cs, As, h0, hs, None, None, cu_seqlens, chunk_offsets, tl.program_id(0),
-                          tl.program_id(1), H, K, V, BT, BK, BV, USE_H0, True, False, False, LOWP, PREC)
+                          tl.program_id(1), H, K, V, BT, BK, BV, HAS_H0, True, False, False, LOWP, PREC)
     else:
         _scan_bwd_program(do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets, tl.program_id(0),
-                          tl.program_id(1), H, K, V, BT, BK, BV, USE_DHT, STORE_DH0, LOWP, PREC)
+                          tl.program_id(1), H, K, V, BT, BK, BV, HAS_DHT, STORE_DH0, LOWP, PREC)
 
 
 @triton.jit
 def _scan_bwd_program(
     do, Qs, Es, Cs, As, dht, dhs, dh0, dv, cu_seqlens, chunk_offsets, i_nh, i_v,
     H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
 ):
     """The backward scan of sequence*head i_nh and V-block i_v."""
     i_n, i_h, bos, eos, c0, rows, m_k, m_v, m_kv, s_off, a_off, p_k0, p_v0, p_t0 = _scan_tiles(
         cu_seqlens, chunk_offsets, i_nh, i_v, H, K, V, BT, BK, BV)
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
+    if HAS_DHT:
         dS += tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
     NT = tl.cdiv(eos - bos, BT)
     for i in range(0, NT):
@@ -155,7 +155,7 @@ def scan_fwd(plan, maps, v, h0, hs, ht, o):
     H, K, V = plan.H, plan.K, plan.V
     _scan_fwd_kernel[(plan.N * H, plan.NV)](
         v, maps["Qs"], maps["Es"], maps["Cs"], maps["As"], h0, hs, ht, o, plan.cu, plan.chunk_offsets,
-        H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_H0=h0 is not None, STORE_HS=hs is not None,
+        H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, HAS_H0=h0 is not None, STORE_HS=hs is not None,
         STORE_HT=ht is not None, LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN,
         num_stages=plan.scan_stages,
     )
@@ -167,13 +167,13 @@ def scan_bwd(plan, maps, v, do, h0, hs, dht, dhs, dh0, dv):
     scan again for them from h0 (`_scan_pair_kernel`); returns hs."""
     H, K, V = plan.H, plan.K, plan.V
     args = (maps["Qs"], maps["Es"], maps["Cs"], maps["As"])
-    launch = dict(H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, USE_DHT=dht is not None,
+    launch = dict(H=H, K=K, V=V, BT=plan.BT, BK=plan.BK, BV=plan.BV, HAS_DHT=dht is not None,
                   STORE_DH0=dh0 is not None, LOWP=plan.lowp, PREC=plan.prec_state, num_warps=WARPS_SCAN,
                   num_stages=plan.scan_stages)
     if hs is None:
         hs = torch.empty_like(dhs)
         _scan_pair_kernel[(plan.N * H, plan.NV, 2)](
-            v, do, *args, h0, hs, dht, dhs, dh0, dv, plan.cu, plan.chunk_offsets, USE_H0=h0 is not None, **launch)
+            v, do, *args, h0, hs, dht, dhs, dh0, dv, plan.cu, plan.chunk_offsets, HAS_H0=h0 is not None, **launch)
     else:
         _scan_bwd_kernel[(plan.N * H, plan.NV)](do, *args, dht, dhs, dh0, dv, plan.cu, plan.chunk_offsets, **launch)
     return hs

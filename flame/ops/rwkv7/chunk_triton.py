@@ -80,7 +80,7 @@ custom ops.
 import torch
 import triton
 
-from ..backend import run_eager
+from ..utils.backend import run_eager
 from .chunk_bwd_triton import chunk_bwd
 from .chunk_plan import MAX_CHUNK_K, ChunkPlan, check_kernel_dtype, chunk_size, intermediate_specs, scan_dtype_of
 from .chunk_prepare_triton import prepare

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import resolve_backend
-from ..decode_checks import check_head_state, check_rows
+from ..utils.backend import resolve_backend
+from ..utils.decode_checks import check_head_state, check_rows
+from ..utils.dtypes import accumulation_dtype
 
 
 def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0, v0, k_k, k_a, r_k, ln_weight,
@@ -30,7 +31,7 @@ def rwkv7_decode_step_torch(r, k, v, w_lora, a_lora, v_lora, g, v_first, w0, a0,
     B, C = r.shape
     H, N = r_k.shape
     dtype = r.dtype
-    acc = torch.promote_types(dtype, torch.float32)
+    acc = accumulation_dtype(dtype)
     f = lambda t: t.to(acc)  # noqa: E731
     r, k, v, g = f(r), f(k), f(v), f(g)
     w = -decay_bound * torch.sigmoid(f(w0) + f(w_lora))

@@ -27,7 +27,7 @@ CKPT = 16  # tokens between stored states in the forward; the backward replays o
 def _fused_recurrent_fwd_kernel(
     r, w, k, v, a, b, o, h0, ht, hckpt, cu_seqlens, ckpt_offsets, scale,
     H, K, V, BK: tl.constexpr, BV: tl.constexpr,
-    CK: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CKPT: tl.constexpr,
+    CK: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CKPT: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -45,7 +45,7 @@ def _fused_recurrent_fwd_kernel(
     state_off = o_k[:, None] * V + o_v[None, :]
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
+    if HAS_H0:
         S += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0).to(tl.float32)
     ck_base = tl.load(ckpt_offsets + i_n).to(tl.int64)
 
@@ -76,7 +76,7 @@ def _fused_recurrent_bwd_kernel(
     r, w, k, v, a, b, do, dht, hckpt, scratch, cu_seqlens, ckpt_offsets,
     dr, dw, dk, dv, da, db, dh0, scale, NV, total_tokens,
     H, K, V, BK: tl.constexpr, BV: tl.constexpr,
-    CK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    CK: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -98,7 +98,7 @@ def _fused_recurrent_bwd_kernel(
     part_base = i_v.to(tl.int64) * total_tokens * H * K
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
+    if HAS_DHT:
         dS += tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + state_off, mask=m_kv, other=0.0).to(tl.float32)
     ck_base = tl.load(ckpt_offsets + i_n).to(tl.int64)
     n_seg = tl.cdiv(seq_len, CK)
@@ -191,7 +191,7 @@ class FusedRecurrentRWKV7Function(torch.autograd.Function):
         h0 = initial_state.contiguous() if initial_state is not None else None
         _fused_recurrent_fwd_kernel[(N * H, NV)](
             r, w, k, v, a, b, o, h0, ht, hckpt, cu, ckpt_offsets, scale,
-            H=H, K=K, V=V, BK=BK, BV=BV, CK=CKPT, USE_H0=h0 is not None, STORE_HT=output_final_state,
+            H=H, K=K, V=V, BK=BK, BV=BV, CK=CKPT, HAS_H0=h0 is not None, STORE_HT=output_final_state,
             STORE_CKPT=need_grad, num_warps=4,
         )
         ctx.save_for_backward(r, w, k, v, a, b, hckpt, cu, ckpt_offsets)
@@ -213,7 +213,7 @@ class FusedRecurrentRWKV7Function(torch.autograd.Function):
         _fused_recurrent_bwd_kernel[(N * H, NV)](
             r, w, k, v, a, b, do, dht.contiguous() if dht is not None else None, hckpt, scratch, cu, ckpt_offsets,
             *parts[:3], dv, *parts[3:], dh0, scale, NV, tokens,
-            H=H, K=K, V=V, BK=BK, BV=BV, CK=CKPT, USE_DHT=dht is not None, STORE_DH0=has_h0, num_warps=4,
+            H=H, K=K, V=V, BK=BK, BV=BV, CK=CKPT, HAS_DHT=dht is not None, STORE_DH0=has_h0, num_warps=4,
         )
         dr, dw, dk, da, db = (p.sum(0).to(x.dtype) for p, x in zip(parts, (r, w, k, a, b)))
         return dr, dw, dk, dv, da, db, None, dh0, None, None

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.intra import mm_prec, mm_tf32_if
+from ..common.chunk_triton.intra import mm_prec, mm_tf32_if
 
 
 @triton.jit

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import resolve_backend
-from ..dtypes import autocast_off, to_compute_dtype
+from ..utils.backend import resolve_backend
+from ..utils.dtypes import autocast_off, to_compute_dtype
 
 
 def squared_relu(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """relu(x)^2 in x's compute dtype (the autocast dtype under autocast; flame.ops.dtypes), computed
+    """relu(x)^2 in x's compute dtype (the autocast dtype under autocast; flame.ops.utils.dtypes), computed
     in fp32; its gradient is 2 sqrt(y) dy, from the output y (the Triton backend) or 2 relu(x) dy
     (the PyTorch backend: autograd's own)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import resolve_backend
-from ..checks import FLOAT_DTYPES
-from ..dtypes import autocast_off, to_compute_dtype
+from ..utils.backend import resolve_backend
+from ..utils.checks import FLOAT_DTYPES
+from ..utils.dtypes import accumulation_dtype, autocast_off, to_compute_dtype
 from .shift import sequence_starts, token_shift
 
 
@@ -20,7 +20,7 @@ def token_shift_mix_torch(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | N
                           cu_seqlens: torch.Tensor | None = None, previous: torch.Tensor | None = None
                           ) -> list[torch.Tensor]:
     """token_shift_mix in PyTorch (autograd through plain ops); the math in fp32 (fp64 for fp64 x)."""
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = accumulation_dtype(x.dtype)
     xf = x.to(acc)
     delta = token_shift(xf, cu_seqlens, previous) - xf
     n_static = mu.shape[0] - (m.shape[0] if m is not None else 0)
@@ -69,7 +69,7 @@ def token_shift_mix(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None = 
 
     Args:
         x: [B, T, C] floating; x and m compute in one dtype (the autocast dtype under autocast,
-            see flame.ops.dtypes), the lerps in fp32.
+            see flame.ops.utils.dtypes), the lerps in fp32.
         mu: [N, C] per-channel coefficients, 1 <= N <= 6 (fp32 parameters stay fp32; the gradient
             has mu's dtype).
         m: [N_M, B, T, C] data-dependent offsets of the last N_M coefficients, or None.

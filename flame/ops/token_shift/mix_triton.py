@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils.dtypes import accumulation_dtype
+
 MAX_BRANCHES = 6
 BLOCK_CHANNELS, BLOCK_ROWS, WARPS = 128, 32, 4  # forward
 BLOCK_CHANNELS_BWD, BLOCK_ROWS_BWD, WARPS_BWD, TILES_BWD = 64, 16, 2, 8  # backward: the fastest shape tried
@@ -176,8 +178,9 @@ def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, 
         tl.store(p_mu + 5 * n_prog * C, tl.sum(acc5, 0), mask=m_col)
 
 
-def _acc_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+def _tl_accumulation_dtype(dtype: torch.dtype):
+    """accumulation_dtype(dtype) as a Triton dtype."""
+    return {torch.float32: tl.float32, torch.float64: tl.float64}[accumulation_dtype(dtype)]
 
 
 def _padded(tensors: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
@@ -199,7 +202,7 @@ def mix_forward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, start
     grid = (triton.cdiv(C, BLOCK_CHANNELS), triton.cdiv(n_rows, BLOCK_ROWS))
     _mix_fwd_kernel[grid](
         x, _starts_arg(x, starts), mu, m if m is not None else x, *_padded(outs, x), T, C, n_rows, n_rows * C,
-        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=_acc_dtype(x.dtype), BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
+        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=_tl_accumulation_dtype(x.dtype), BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
         num_warps=WARPS,
     )
     return outs
@@ -220,7 +223,7 @@ def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, star
     N, N_M = mu.shape[0], (m.shape[0] if m is not None else 0)
     n_rows = B * T
     n_prog = _bwd_programs(n_rows)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x.dtype)
     dx = torch.empty_like(x)
     dm = torch.empty_like(m) if m is not None else None
     dmu_part = torch.empty(N, n_prog, C, dtype=acc, device=x.device)
@@ -228,7 +231,7 @@ def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, star
     _mix_bwd_kernel[grid](
         x, _starts_arg(x, starts), mu, m if m is not None else x, *_padded(grads, x), dx,
         dm if dm is not None else x, dmu_part, T, C, n_rows, n_rows * C,
-        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=_acc_dtype(x.dtype),
+        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=_tl_accumulation_dtype(x.dtype),
         BR=BLOCK_ROWS_BWD, BC=BLOCK_CHANNELS_BWD, TILES=TILES_BWD, num_warps=WARPS_BWD, num_stages=1,
     )
     return dx, dmu_part, dm
@@ -259,7 +262,7 @@ def _mix_bwd_op(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, start
 
 @_mix_bwd_op.register_fake
 def _(x, mu, m, starts, grads):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x.dtype)
     B, T, C = x.shape
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             mu.new_empty((mu.shape[0], _bwd_programs(B * T), C), dtype=acc),

@@ -34,7 +34,7 @@ DQKG_BLOCK_K = 64  # K-block of a dq/dk/dg program (at most)
 def _dv_kernel(k, v, gc, A, do, dh, dv, dA, dAd, cu_seqlens, chunk_indices, scale,
                H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr,
-               WITH_DV: tl.constexpr, WITH_DA: tl.constexpr, DT: tl.constexpr):
+               STORE_DV: tl.constexpr, STORE_DA: tl.constexpr, DT: tl.constexpr):
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
@@ -42,9 +42,9 @@ def _dv_kernel(k, v, gc, A, do, dh, dv, dA, dAd, cu_seqlens, chunk_indices, scal
     cols = tl.arange(0, BT)
     m_t = rows < Tc
     a_row = ((t0 + rows) * H + i_h) * BT
-    if WITH_DV:
+    if STORE_DV:
         Aw = tl.load(A + a_row[:, None] + cols[None, :], mask=m_t[:, None], other=0.0)
-    if WITH_DA:
+    if STORE_DA:
         dAw = tl.zeros([BT, BT], dtype=tl.float32)
         if HAS_U:
             dAd_ = tl.zeros([BT], dtype=tl.float32)
@@ -52,12 +52,12 @@ def _dv_kernel(k, v, gc, A, do, dh, dv, dA, dAd, cu_seqlens, chunk_indices, scal
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
         dd = load_rows(do, t0, rows, m_t, i_h, cv, m_v, H, V)
-        if WITH_DA:
+        if STORE_DA:
             vv = load_rows(v, t0, rows, m_t, i_h, cv, m_v, H, V)
             dAw += mm(dd, tl.trans(vv), DT)
             if HAS_U:
                 dAd_ += tl.sum(dd * vv, axis=1)
-        if WITH_DV:
+        if STORE_DV:
             acc = mm_tf32(tl.trans(Aw), dd, DT)
             for i_k in tl.static_range(0, triton.cdiv(K, BK)):
                 ck = i_k * BK + tl.arange(0, BK)
@@ -71,7 +71,7 @@ def _dv_kernel(k, v, gc, A, do, dh, dv, dA, dAd, cu_seqlens, chunk_indices, scal
                 acc += mm(kg, dS, DT)
             off = ((t0 + rows)[:, None] * H + i_h) * V + cv[None, :]
             tl.store(dv + off, acc.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-    if WITH_DA:
+    if STORE_DA:
         if EXCLUSIVE:
             m_A = cols[None, :] < rows[:, None]
         else:
@@ -209,7 +209,7 @@ def chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout: ChunkLayout, scale: float, excl
     _dv_kernel[(layout.num_chunks, H)](
         k, v, gc, A, do, dh, dv, dA, dAd, layout.cu_seqlens, layout.chunk_indices, scale,
         H=H, K=K, V=V, BT=BT, BK=block_k, BV=block_v, EXCLUSIVE=exclusive, HAS_U=has_u,
-        WITH_DV=with_dv, WITH_DA=with_dA, DT=dot_dtype, num_warps=DV_WARPS, num_stages=1)
+        STORE_DV=with_dv, STORE_DA=with_dA, DT=dot_dtype, num_warps=DV_WARPS, num_stages=1)
     return dv, dA, dAd
 
 

@@ -98,7 +98,7 @@ def _scan_step(ptr, S, d, gl, m):
 @triton.jit
 def _scan_kernel(x, gc, init, final, cu_seqlens, chunk_offsets,
                  H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                 REVERSE: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr):
+                 REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1)
     i_n = i_nh // H
@@ -111,7 +111,7 @@ def _scan_kernel(x, gc, init, final, cu_seqlens, chunk_offsets,
     kidx = e // V
     s_off = (i_n * H + i_h) * K * V + e
     S = tl.zeros([BS], dtype=tl.float32)
-    if USE_INIT:
+    if HAS_INIT:
         S += tl.load(init + s_off, mask=m_e, other=0.0).to(tl.float32)
     NT = tl.cdiv(eos - bos, BT)
     for i in range(0, NT, 4):
@@ -135,7 +135,7 @@ def _scan_kernel(x, gc, init, final, cu_seqlens, chunk_offsets,
 @triton.jit
 def _walk(x, y, gc, init, final, out, cu_seqlens, chunk_offsets, scale, i_nh, i_kv,
           H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-          REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+          REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
           DT: tl.constexpr):
     """One (sequence, head, tile) chain: forward (x = k, y = v) from `init` h0, storing S_in of every
     chunk; or REVERSE (x = q, y = do) from `init` dht, storing dS_out of every chunk. The carried value at
@@ -155,7 +155,7 @@ def _walk(x, y, gc, init, final, out, cu_seqlens, chunk_offsets, scale, i_nh, i_
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = ck[:, None] * V + cv[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INIT:
+    if HAS_INIT:
         S += tl.load(init + (i_n * H + i_h) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
     NT = tl.cdiv(eos - bos, BT)
     for i in range(0, NT):
@@ -185,7 +185,7 @@ def _walk(x, y, gc, init, final, out, cu_seqlens, chunk_offsets, scale, i_nh, i_
 def _walk_kernel(k, v, q, do, gc, h0, ht, dht, dh0, h, dh, cu_seqlens, chunk_offsets, scale, NH,
                  H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  EXCLUSIVE: tl.constexpr, FWD: tl.constexpr, BWD: tl.constexpr,
-                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                 HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                  DT: tl.constexpr):
     """The walks over chunks: the forward states (FWD), the reverse state gradients (BWD), or both in one
     launch (the first NH = N*H rows of the grid walk forward, the next NH backward). The roles are
@@ -196,16 +196,16 @@ def _walk_kernel(k, v, q, do, gc, h0, ht, dht, dh0, h, dh, cu_seqlens, chunk_off
     if FWD and BWD:
         if i_nh < NH:
             _walk(k, v, gc, h0, ht, h, cu_seqlens, chunk_offsets, 1.0, i_nh, i_kv, H, K, V, BT, BK, BV,
-                  False, EXCLUSIVE, USE_H0, STORE_HT, DT)
+                  False, EXCLUSIVE, HAS_H0, STORE_HT, DT)
         else:
             _walk(q, do, gc, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, i_nh - NH, i_kv, H, K, V, BT, BK, BV,
-                  True, EXCLUSIVE, USE_DHT, STORE_DH0, DT)
+                  True, EXCLUSIVE, HAS_DHT, STORE_DH0, DT)
     elif FWD:
         _walk(k, v, gc, h0, ht, h, cu_seqlens, chunk_offsets, 1.0, i_nh, i_kv, H, K, V, BT, BK, BV,
-              False, EXCLUSIVE, USE_H0, STORE_HT, DT)
+              False, EXCLUSIVE, HAS_H0, STORE_HT, DT)
     else:
         _walk(q, do, gc, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, i_nh, i_kv, H, K, V, BT, BK, BV,
-              True, EXCLUSIVE, USE_DHT, STORE_DH0, DT)
+              True, EXCLUSIVE, HAS_DHT, STORE_DH0, DT)
 
 
 def _tiles(K: int, V: int, edge: int = 64) -> tuple[int, int, int]:
@@ -243,7 +243,7 @@ def chunk_scan_states(x, gc, layout: ChunkLayout, init, store_final: bool, rever
     _scan_kernel[(layout.num_seqs * H, triton.cdiv(K * V, BS))](
         x, gc, init, final, layout.cu_seqlens, layout.chunk_offsets,
         H=H, K=K, V=V, BT=layout.chunk_size, BS=BS, REVERSE=reverse,
-        USE_INIT=init is not None, STORE_FINAL=store_final, num_warps=max(1, min(4, BS // 128)), num_stages=1)
+        HAS_INIT=init is not None, STORE_FINAL=store_final, num_warps=max(1, min(4, BS // 128)), num_stages=1)
     return x, final
 
 
@@ -275,7 +275,7 @@ def chunk_states_walk(q, k, v, do, gc, layout: ChunkLayout, h0, dht, scale: floa
     _walk_kernel[(N * H * (int(fwd) + int(bwd)), tiles)](
         k, v, q, do, gc, h0, ht, dht, dh0, h, dh, layout.cu_seqlens, layout.chunk_offsets, scale, N * H,
         H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, EXCLUSIVE=exclusive, FWD=fwd, BWD=bwd,
-        USE_H0=fwd and h0 is not None, STORE_HT=ht is not None, USE_DHT=bwd and dht is not None,
+        HAS_H0=fwd and h0 is not None, STORE_HT=ht is not None, HAS_DHT=bwd and dht is not None,
         STORE_DH0=dh0 is not None, DT=dot_dtype, num_warps=WALK_WARPS, num_stages=WALK_STAGES)
     return h, ht, dh, dh0
 

@@ -1,6 +1,6 @@
 """Triton device helpers of the gated-linear-attention core: matrix products and the intra-chunk matrix.
 
-Conventions shared by every kernel of flame.ops.common (one (sequence, head, chunk) per program):
+Conventions shared by every kernel of flame.ops.common.chunk_triton (one (sequence, head, chunk) per program):
 - tensors are token-major [B, T, H, D], addressed by the global token index t (over the flattened
   B*T axis): element (t, h, d) lives at (t * H + h) * D + d, computed in int64;
 - `gc` is the fp32 chunk-local cumsum of the log-gate times log2(e) (cumsum.py); the exclusive
@@ -9,12 +9,12 @@ Conventions shared by every kernel of flame.ops.common (one (sequence, head, chu
   select, never by multiplying).
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+from ...utils.backend import triton_interpreter_enabled
+
+INTERPRET = tl.constexpr(triton_interpreter_enabled())
 
 
 @triton.jit

@@ -1,9 +1,11 @@
-"""The compute dtype of an op call: what the floating inputs are cast to before the checks.
+"""The two dtypes of an op call: the compute dtype its floating inputs are cast to before the checks,
+and the accumulation dtype its states, sums and reductions run in.
 
 Under `torch.autocast` a model with fp32 parameters produces a mix of dtypes (bf16 matmul outputs,
 fp32 elementwise results); the ops then compute in the autocast dtype, as autocast's own matmuls do.
 Outside autocast, mixed inputs are promoted (`torch.promote_types`), so nothing loses precision that
 the caller did not give up. States (initial_state) keep their own dtype: they are fp32 by contract.
+The accumulation dtype is fp32, or fp64 for fp64 inputs, whatever the compute dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ def compute_dtype(tensors) -> torch.dtype:
     for t in floats[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype that states, cumulative sums and reductions over inputs of `dtype` run in: fp32, or
+    fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def to_compute_dtype(*tensors):

@@ -1,4 +1,4 @@
-"""Chunk layout and stable decayed intra-chunk products, shared by the PyTorch chunked backends.
+"""The chunk core of the PyTorch chunked backends: chunk layout and stable decayed intra-chunk products.
 
 Every exp() argument here is <= 0 (docs/kernels.md#stable-exponent-placement-i3): inside a chunk of
 C positions cut into sub-chunks of S, pairs in the same sub-chunk get their exact exponent, and
@@ -17,11 +17,6 @@ import torch.nn.functional as F
 
 DEFAULT_CHUNK = 32
 DEFAULT_SUB_CHUNK = 8
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """States, cumulative sums and chunk math run in fp32, or fp64 for fp64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:

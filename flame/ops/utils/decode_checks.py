@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import accumulation_dtype
+
 
 def check_rows(op: str, shape: tuple[int, int], **tensors: torch.Tensor) -> None:
     """Each tensor is a floating [rows, cols] = `shape` tensor with unit channel stride (any row
@@ -25,7 +27,7 @@ def check_rows(op: str, shape: tuple[int, int], **tensors: torch.Tensor) -> None
 
 def check_state(op: str, name: str, state: torch.Tensor, shape: tuple[int, ...], inputs_dtype: torch.dtype) -> None:
     """A recurrent state updated in place: contiguous, of `shape`, fp32 (fp64 for fp64 inputs)."""
-    dtype = torch.promote_types(inputs_dtype, torch.float32)
+    dtype = accumulation_dtype(inputs_dtype)
     if not isinstance(state, torch.Tensor) or tuple(state.shape) != tuple(shape) or state.dtype != dtype \
             or not state.is_contiguous():
         got = f"{tuple(state.shape)} {state.dtype}" if isinstance(state, torch.Tensor) else type(state).__name__

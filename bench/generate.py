@@ -8,18 +8,23 @@ What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 3200
 --families (`configs/<family>_340M.toml`):
 
 - decode: B random prompts of --prompt-len tokens continued by --new-tokens greedy tokens, at
-  every batch size of --batch-sizes. Decoding tokens/s = B * (new_tokens - 1) / (time of
-  new_tokens - time of 1), the medians of --repeats runs after one warm-up run (compiles,
-  captures the CUDA graph); both times include the same prefill. flame: `flame.generate.generate`
-  (the decode step replayed as a CUDA graph; "graph step ms" is one replay alone, without the
-  sampling). hf: flame's Hugging Face model class (flame.export.hf) through transformers'
-  `generate`, whose FlameCache runs the same decode step. fla (optional, imported only when
-  installed): the family built by fla with the same shape, through transformers' `generate` with
-  fla's recurrent cache, forced to the same length. rwkv (optional: `pip install rwkv`): the
-  official package on flame's `--format rwkv` export of the same weights (RWKV6 and RWKV7),
-  strategy --rwkv-strategy, in a subprocess per family (its environment switches are set before
-  import). The package decodes one sequence per call, so batch B runs B calls per token; only
-  --rwkv-batch-sizes are measured, from a prompt of --rwkv-prompt-len tokens.
+  every batch size of --batch-sizes. Each generation is timed inside itself (`RunClock`, CUDA
+  events in stream order): from its start to the mark after its first token (the prefill) and
+  from that mark to its end (the decoding). Decoding tokens/s = B * (new_tokens - 1) / decoding
+  time; both times are medians of --repeats runs after one warm-up run (compiles, captures the
+  CUDA graph). flame: `flame.generate.generate`, the decode step replayed as a CUDA graph, marked
+  where the generation loads the prompt's state into its `Decoder`; "graph step ms" is one
+  replay alone, without the sampling, and a row whose decoding steps take less than that is
+  flagged as a timing error (`decode_figures`). hf: flame's Hugging Face model class
+  (flame.export.hf) through transformers' `generate`, whose FlameCache runs the same decode step.
+  fla (optional, imported only when installed): the family built by fla with the same shape,
+  through transformers' `generate` with fla's recurrent cache, forced to the same length. hf and
+  fla are marked at transformers' first call of the logits processors (on the first token's
+  logits). rwkv (optional: `pip install rwkv`): the official package on flame's `--format rwkv`
+  export of the same weights (RWKV6 and RWKV7), strategy --rwkv-strategy, in a subprocess per
+  family (its environment switches are set before import). The package decodes one sequence per
+  call, so batch B runs B calls per token; only --rwkv-batch-sizes are measured, from a prompt of
+  --rwkv-prompt-len tokens; marked after the prompt's first token.
 - prefill: --prefill-batch x --prefill-len tokens through the chunked kernels to the recurrent state
   (flame's `prefill`, fla's forward with use_cache); flame's eval forward (the fused LM-head loss,
   as `flame.eval` runs it) on the same tokens; the rwkv package prefills one sequence of
@@ -36,6 +41,7 @@ others go on. The final tables print to stdout; --out writes every row as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -140,18 +146,125 @@ def model_name(family: str, args) -> str:
     return f"{family} {'tiny' if args.tiny else '340M'}"
 
 
-def decode_row(family, lib, batch, args, prefill_s, total_s, device, **extra) -> dict:
-    """Decode tokens/s from the time of a whole generation minus that of its first token; nan when
-    the difference is within the noise of the two timings (too few new tokens to time)."""
-    decode_s = total_s - prefill_s
-    if decode_s <= 0:
+class RunClock:
+    """Marks on the device's timeline inside one generation. On CUDA each mark is a CUDA event
+    recorded on the current stream, so it lands after the work queued before it however far the
+    host runs ahead; on CPU it is a host clock reading (every op has finished when the next starts)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        import torch
+
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks, once the last one is reached."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def timed_generation(run, repeats: int, device) -> tuple[float, float, object]:
+    """(median prefill seconds, median decoding seconds, last result) of `repeats` calls of
+    run(clock) after one warm-up call. run marks the clock once, after the generation's first
+    token; the marks before and after each call close the prefill (start to that mark) and the
+    decoding (that mark to the end)."""
+    run(RunClock(device))
+    prefills, decodes, result = [], [], None
+    for _ in range(repeats):
+        clock = RunClock(device)
+        sync(device)
+        clock.mark()
+        result = run(clock)
+        clock.mark()
+        times = clock.intervals()
+        if len(times) != 2:
+            raise RuntimeError(f"the generation marked its first token {len(times) - 1} times, expected once")
+        prefills.append(times[0])
+        decodes.append(times[1])
+    return statistics.median(prefills), statistics.median(decodes), result
+
+
+@contextlib.contextmanager
+def marking_before(owner, name: str, clock: RunClock):
+    """While the block runs, every call of `owner.name` (a function attribute of a class or
+    object) marks `clock` first."""
+    original = getattr(owner, name)
+
+    def marked(*args, **kwargs):
+        clock.mark()
+        return original(*args, **kwargs)
+
+    setattr(owner, name, marked)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+class FirstLogitsMark:
+    """A transformers logits processor that marks `clock` at its first call: the first token's
+    logits, after the prefill. It returns the scores unchanged."""
+
+    def __init__(self, clock: RunClock):
+        self.clock, self.marked = clock, False
+
+    def __call__(self, input_ids, scores):
+        if not self.marked:
+            self.clock.mark()
+            self.marked = True
+        return scores
+
+
+def decode_figures(batch: int, new_tokens: int, decode_s: float, graph_step_ms: float | None = None) -> dict:
+    """The rates of `new_tokens - 1` decoding steps of `batch` sequences that took decode_s
+    seconds: decode_tokens_per_s, ms_per_step and, when nothing makes them wrong, no "note".
+
+    decode_s that is not a positive finite number gives nan rates and a note. graph_step_ms (one
+    step's CUDA graph replayed alone, the least a decoding step can take) adds graph_step_ms and
+    below_graph_step: True, with a note, when the steps took less than their graph (decode_s <
+    (new_tokens - 1) x graph step), which only a timing error explains."""
+    steps = new_tokens - 1
+    if steps < 1:
+        raise ValueError(f"decoding rates need new_tokens >= 2, got {new_tokens}")
+    figures: dict = {}
+    if not (math.isfinite(decode_s) and decode_s > 0):
+        figures["note"] = f"decoding time {decode_s!r} s is not a positive duration: no rate"
         decode_s = math.nan
-        extra["note"] = (extra.get("note", "") + " decode time within timing noise: raise --new-tokens").strip()
-    return {"family": family, "model": model_name(family, args), "lib": lib, "kind": "decode", "batch": batch,
-            "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens, "prefill_ms": prefill_s * 1e3,
-            "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode_s,
-            "ms_per_step": decode_s * 1e3 / (args.new_tokens - 1), "peak_gib": peak_gib(device), **extra}
+    figures["decode_tokens_per_s"] = batch * steps / decode_s
+    figures["ms_per_step"] = decode_s * 1e3 / steps
+    if graph_step_ms is not None:
+        figures["graph_step_ms"] = graph_step_ms
+        figures["below_graph_step"] = figures["ms_per_step"] < graph_step_ms
+        if figures["below_graph_step"]:
+            figures["note"] = (f"timing error: {figures['ms_per_step']:.3f} ms per decoding step is below the "
+                               f"graph step alone ({graph_step_ms:.3f} ms)")
+    return figures
+
+
+def decode_row(family, lib, batch, args, prefill_s, decode_s, device, *, prompt_len=None, new_tokens=None,
+               graph_step_ms=None, **extra) -> dict:
+    """One decode row: the prefill time and `decode_figures` of a generation of `new_tokens`
+    (default --new-tokens) after a prompt of `prompt_len` (default --prompt-len)."""
+    prompt_len = args.prompt_len if prompt_len is None else prompt_len
+    new_tokens = args.new_tokens if new_tokens is None else new_tokens
+    figures = decode_figures(batch, new_tokens, decode_s, graph_step_ms)
+    notes = [n for n in (figures.pop("note", None), extra.pop("note", None)) if n]
+    row = {"family": family, "model": model_name(family, args), "lib": lib, "kind": "decode", "batch": batch,
+           "prompt_len": prompt_len, "new_tokens": new_tokens, "prefill_ms": prefill_s * 1e3, **figures,
+           "peak_gib": peak_gib(device), **extra}
+    if notes:
+        row["note"] = "; ".join(notes)
+    return row
 
 
 # ---- flame ------------------------------------------------------------------------------------
@@ -162,7 +275,7 @@ def bench_flame(family: str, args, device) -> list[dict]:
     from flame.generate import generate
     from flame.ops.utils.checks import value_checks_off
     from flame.models.compiled import compiled_blocks
-    from flame.models.decoder import PREFILL_SEGMENT, decoder_for, prefill, release_decoders
+    from flame.models.decoder import PREFILL_SEGMENT, Decoder, decoder_for, prefill, release_decoders
 
     model = build_flame(family, device, args.tiny)
     rows = []
@@ -198,9 +311,12 @@ def bench_flame(family: str, args, device) -> list[dict]:
             release_decoders(model)
             reset_memory(device)
             prompts = random_ids(model.vocab_size, batch, args.prompt_len, device, seed=batch)
-            run = lambda n: generate(model, prompts, max_new_tokens=n, temperature=0)  # noqa: E731
-            first_s, _ = timed(lambda: run(1), args.repeats, device)
-            total_s, out = timed(lambda: run(args.new_tokens), args.repeats, device)
+
+            def run(clock: RunClock):
+                with marking_before(Decoder, "load", clock):  # once per generation, after its first token
+                    return generate(model, prompts, max_new_tokens=args.new_tokens, temperature=0)
+
+            first_s, decode_s, out = timed_generation(run, args.repeats, device)
             if tuple(out.shape) != (batch, args.new_tokens):
                 raise RuntimeError(f"generated shape {tuple(out.shape)}, expected {(batch, args.new_tokens)}")
             decoder = decoder_for(model, batch)
@@ -212,7 +328,7 @@ def bench_flame(family: str, args, device) -> list[dict]:
                 decoder.step()
             sync(device)
             step_ms = (time.perf_counter() - start) * 1e3 / n_steps
-            rows.append(decode_row(family, "flame", batch, args, first_s, total_s, device,
+            rows.append(decode_row(family, "flame", batch, args, first_s, decode_s, device,
                                    graph_step_ms=step_ms, graphed=decoder.graphed))
             print(json.dumps(rows[-1]), flush=True)
             if args.profile and batch == args.batch_sizes[0] and device.type == "cuda":
@@ -267,14 +383,15 @@ def bench_hf(family: str, args, device) -> list[dict]:
             reset_memory(device)
             prompts = random_ids(config.vocab_size, batch, args.prompt_len, device, seed=batch)
 
-            def run(n: int):
-                return model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False)[:, args.prompt_len:]
+            def run(clock: RunClock):
+                n = args.new_tokens
+                return model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      logits_processor=[FirstLogitsMark(clock)])[:, args.prompt_len:]
 
-            first_s, _ = timed(lambda: run(1), args.repeats, device)
-            total_s, out = timed(lambda: run(args.new_tokens), args.repeats, device)
+            first_s, decode_s, out = timed_generation(run, args.repeats, device)
             if tuple(out.shape) != (batch, args.new_tokens):
                 raise RuntimeError(f"generated shape {tuple(out.shape)}, expected {(batch, args.new_tokens)}")
-            rows.append(decode_row(family, "hf", batch, args, first_s, total_s, device,
+            rows.append(decode_row(family, "hf", batch, args, first_s, decode_s, device,
                                    note="transformers' generate loop around flame's decode step"))
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -302,15 +419,15 @@ def bench_fla(family: str, args, device) -> list[dict]:
             reset_memory(device)
             prompts = random_ids(vocab, batch, args.prompt_len, device, seed=batch)
 
-            def run(n: int):
+            def run(clock: RunClock):
+                n = args.new_tokens
                 return model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
-                                      pad_token_id=0)[:, args.prompt_len:]
+                                      pad_token_id=0, logits_processor=[FirstLogitsMark(clock)])[:, args.prompt_len:]
 
-            first_s, _ = timed(lambda: run(1), args.repeats, device)
-            total_s, out = timed(lambda: run(args.new_tokens), args.repeats, device)
+            first_s, decode_s, out = timed_generation(run, args.repeats, device)
             if tuple(out.shape) != (batch, args.new_tokens):
                 raise RuntimeError(f"generated shape {tuple(out.shape)}, expected {(batch, args.new_tokens)}")
-            rows.append(decode_row(family, "fla", batch, args, first_s, total_s, device))
+            rows.append(decode_row(family, "fla", batch, args, first_s, decode_s, device))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -342,11 +459,13 @@ def rwkv_worker(family: str, args, out_path: str) -> None:
     def prefill_one():
         return rwkv_model.forward(list(prompt), None)
 
-    def decode(batch: int, n: int):
-        """Greedy continuations of `batch` copies of the prompt, one package call per sequence and token."""
+    def decode(batch: int, n: int, clock: RunClock):
+        """Greedy continuations of `batch` copies of the prompt, one package call per sequence and
+        token; marks `clock` after the first token."""
         logits, first_state = prefill_one()
         states = [[s.clone() for s in first_state] for _ in range(batch)]
         tokens = [int(logits.argmax())] * batch
+        clock.mark()
         for _ in range(n - 1):
             for row in range(batch):
                 out, states[row] = rwkv_model.forward([tokens[row]], states[row])
@@ -363,15 +482,11 @@ def rwkv_worker(family: str, args, out_path: str) -> None:
                      "note": f"one sequence per call; strategy {args.rwkv_strategy}"})
         for batch in args.rwkv_batch_sizes:
             reset_memory(device)
-            n = args.rwkv_new_tokens
-            first_s, _ = timed(lambda: decode(batch, 1), args.repeats, device)
-            total_s, _ = timed(lambda: decode(batch, n), args.repeats, device)
-            decode_s = max(total_s - first_s, 1e-9)
-            rows.append({"family": family, "model": model_name(family, args), "lib": "rwkv", "kind": "decode",
-                         "batch": batch,
-                         "prompt_len": args.rwkv_prompt_len, "new_tokens": n, "prefill_ms": first_s * 1e3,
-                         "decode_tokens_per_s": batch * (n - 1) / decode_s, "ms_per_step": decode_s * 1e3 / (n - 1),
-                         "peak_gib": peak_gib(device), "note": "one sequence per call"})
+            first_s, decode_s, _ = timed_generation(lambda clock: decode(batch, args.rwkv_new_tokens, clock),
+                                                    args.repeats, device)
+            rows.append(decode_row(family, "rwkv", batch, args, first_s, decode_s, device,
+                                   prompt_len=args.rwkv_prompt_len, new_tokens=args.rwkv_new_tokens,
+                                   note="one sequence per call"))
     Path(out_path).write_text(json.dumps(rows))
 
 

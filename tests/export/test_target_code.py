@@ -185,6 +185,7 @@ def test_rwkv_export_refuses_another_layer_norm_eps_naming_the_key(exports, tmp_
 
 
 @pytest.mark.gpu
+@pytest.mark.fla
 @pytest.mark.parametrize("family,head,variant", MODELS)
 def test_fla_folder_gives_flames_logits_in_fla(exports, family, head, variant):
     """fla's model classes on the `fla` export against flame's model, both bf16 on CUDA."""

@@ -300,7 +300,8 @@ def test_gpu_bf16_long(name, decay):
 @pytest.mark.parametrize("decay", ["strong", "weak", "extreme"])
 def test_gpu_chunk_vs_recurrent_bf16(decay):
     """Chunk against fused recurrent in bf16 at realistic size (B2 T4096 H4 K=V=256 M64), GQA off.
-    Each is within 1e-2 of the fp64 oracle (test_gpu_bf16_long); their difference within 2e-2."""
+    Each is within 1e-2 of the fp64 oracle (test_gpu_bf16_long; at this head shape
+    test_gpu_gsa_340M_head_shape_bf16_long); their difference within 2e-2."""
     inputs = gsa_inputs(B=2, T=4096, H=4, K=256, V=256, M=64, dtype=torch.bfloat16, decay=decay)
     oc, fc, gc = _run(OPS["chunk"], inputs, 1.0)
     orr, fr, gr = _run(OPS["fused_recurrent"], inputs, 1.0)
@@ -309,6 +310,24 @@ def test_gpu_chunk_vs_recurrent_bf16(decay):
     assert_close("hv_final", fr[1], fc[1], 2e-2)
     for name in gr:
         assert_close(f"d{name}", gr[name], gc[name], 2e-2)
+
+
+def test_chunk_at_the_gsa_340M_head_shape_bf16():
+    """The chunk kernel at gsa_340M's head shape (K = V = 256, M = 64) in bf16 against naive_gsa in
+    float64, at CPU size (T = 70: a whole chunk and a partial one; the GPU test below runs both
+    kernels at T = 2048)."""
+    check_against_naive(OPS["chunk"], gsa_inputs(T=70, K=256, V=256, M=64, dtype=torch.bfloat16, decay="strong"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decay", ["strong", "weak", "extreme"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_gpu_gsa_340M_head_shape_bf16_long(name, decay):
+    """gsa_340M's head shape (K = V = 256, M = 64) in bf16 at T = 2048, H = 4, against naive_gsa in
+    float64 (test_gpu_chunk_vs_recurrent_bf16 compares the two kernels at this shape with each
+    other only)."""
+    check_against_naive(OPS[name], gsa_inputs(B=1, T=2048, H=4, K=256, V=256, M=64, dtype=torch.bfloat16,
+                                              decay=decay), ratio=1e-2)
 
 
 @pytest.mark.gpu

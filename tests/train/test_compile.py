@@ -1,32 +1,37 @@
 """training.compile and training.activation_checkpoint: the compiled, checkpointed model trains like
-the eager one (the Triton backend under the interpreter, as on a GPU the kernels run uncompiled)."""
+the eager one, step by step (tests/train/step_check.py: losses, gradients, updates, on data the
+model learns): on CPU in fp32 (the Triton backend under the interpreter, as on a GPU the kernels
+run uncompiled), and on the GPU the shipped step (compiled blocks replayed as CUDA graphs, bf16)
+against the eager fp32 step."""
 
 import pytest
 
 from flame.train.trainer import Trainer
 from tests.train.helpers import random_batches, split_rows, tiny_config
+from tests.train.step_check import (CPU_TOLERANCES, GPU_TOLERANCES, MIN_FALL, SABOTAGES, assert_same_steps,
+                                    learnable_steps, trace_steps)
+
+pytestmark = pytest.mark.filterwarnings(  # the no-op optimizer replaces the step the LR schedule wraps
+    "ignore:Seems like `optimizer.step\\(\\)` has been overridden:UserWarning")
 
 
-def losses(tmp_path, name, **training):
-    cfg = tiny_config(tmp_path / name, training=training, model={"backend": "triton"})
-    trainer = Trainer(cfg, dataloader=())
-    out = []
-    for seed in range(3):
-        input_ids, labels = random_batches(2, 16, seed=seed)
-        out.append(trainer.train_step(split_rows(input_ids, labels, 2)).loss)
-    return out
+def cpu_trace(tmp_path, name, **training):
+    """Three steps of two micro-batches of two 16-token rows."""
+    cfg = tiny_config(tmp_path / name, training={"steps": 100, "batch_size": 2, "gradient_accumulation_steps": 2,
+                                                 **training}, model={"backend": "triton"})
+    return trace_steps(Trainer(cfg, dataloader=()), learnable_steps(3, rows=4, seq_len=16, micro_batch=2))
 
 
 @pytest.fixture(scope="module")
-def eager_losses(tmp_path_factory):
-    """The eager model's losses, once for every activation-checkpointing policy compared with it."""
-    return losses(tmp_path_factory.mktemp("compile"), "eager")
+def eager_trace(tmp_path_factory):
+    """The eager model's steps, once for every activation-checkpointing policy compared with it."""
+    return cpu_trace(tmp_path_factory.mktemp("compile"), "eager")
 
 
 @pytest.mark.parametrize("ac", ["full", "selective", "elementwise"])
-def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tmp_path, eager_losses, ac):
-    compiled = losses(tmp_path, f"compiled-{ac}", compile=True, activation_checkpoint=ac)
-    assert compiled == pytest.approx(eager_losses, rel=1e-4)
+def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tmp_path, eager_trace, ac):
+    compiled = cpu_trace(tmp_path, f"compiled-{ac}", compile=True, activation_checkpoint=ac)
+    assert_same_steps(compiled, eager_trace, CPU_TOLERANCES, MIN_FALL)
 
 
 GPU_MODELS = {
@@ -34,40 +39,59 @@ GPU_MODELS = {
     "rwkv6": {"family": "rwkv6", "head_dim": 64},
     "gsa": {"family": "gsa", "num_heads": 4, "num_slots": 32},
 }
+GPU_STEPS = 8
 
 
-def gpu_losses(tmp_path, name, family, compile, device="cuda", steps=10, activation_checkpoint="none",
-               cuda_graphs=True):
-    """Losses of `steps` trainer steps of a 10-layer model (past Dynamo's recompile limit of 8, so that
-    every layer has to share the compiled graphs) with bf16 mixed precision (autocast) on one GPU,
-    four micro-batches per step (CUDA graphs replay each block's forward and backward four times)."""
-    cfg = tiny_config(tmp_path / name, model={**GPU_MODELS[family], "hidden_size": 256, "num_layers": 10,
-                                              "backend": "auto"},
-                      training={"device": device, "compile": compile, "batch_size": 1, "seq_len": 256,
-                                "gradient_accumulation_steps": 4, "steps": steps,
-                                "activation_checkpoint": activation_checkpoint, "cuda_graphs": cuda_graphs},
-                      optimizer={"implementation": "fused"})
-    trainer = Trainer(cfg, dataloader=())
-    out = []
-    for seed in range(steps):
-        input_ids, labels = random_batches(4, 256, seed=seed)
-        out.append(trainer.train_step(split_rows(input_ids, labels, 1)).loss)
-    return out
+def gpu_config(dump, family: str = "rwkv7", **training):
+    """A 10-layer model (past Dynamo's recompile limit of 8, so that every layer has to share the
+    compiled graphs) on one GPU, four micro-batches of one 256-token row per step (CUDA graphs
+    replay each block's forward and backward four times), fused AdamW, the shipped bf16 mixed
+    precision unless `training` says otherwise (mixed_precision_param "float32": no autocast, no
+    compute copies); the schedule is set for 100 steps, so that the learning rate stays near its
+    peak over the steps a test runs."""
+    return tiny_config(dump, model={**GPU_MODELS[family], "hidden_size": 256, "num_layers": 10, "backend": "auto"},
+                       training={"device": "cuda", "batch_size": 1, "seq_len": 256, "gradient_accumulation_steps": 4,
+                                 "steps": 100, **training},
+                       optimizer={"implementation": "fused"})
+
+
+def gpu_trace(tmp_path, name, family, compile, broken=None, **training):
+    """GPU_STEPS steps of `gpu_config` on learnable data, traced (tests/train/step_check.py)."""
+    trainer = Trainer(gpu_config(tmp_path / name, family, compile=compile, **training), dataloader=())
+    return trace_steps(trainer, learnable_steps(GPU_STEPS, rows=4, seq_len=256, micro_batch=1), broken)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(GPU_MODELS))
-def test_compiled_training_equals_eager_on_the_gpu(tmp_path, family):
-    """Ten bf16 steps, eager and compiled (replayed as CUDA graphs, also with "elementwise"
-    recomputation, and without graphs): the same losses within bf16 noise (fusion changes the
-    rounding of the glue, and the difference grows a little with each update)."""
-    eager = gpu_losses(tmp_path, "eager", family, compile=False)
-    compiled = gpu_losses(tmp_path, "compiled", family, compile=True)
-    elementwise = gpu_losses(tmp_path, "elementwise", family, compile=True, activation_checkpoint="elementwise")
-    no_graphs = gpu_losses(tmp_path, "no_graphs", family, compile=True, cuda_graphs=False)
-    for run in (compiled, elementwise, no_graphs):
-        assert run[0] == pytest.approx(eager[0], rel=5e-3)
-        assert run == pytest.approx(eager, rel=2e-2)
+def test_compiled_bf16_steps_equal_eager_fp32_steps_on_the_gpu(tmp_path, family):
+    """Eight steps of the shipped path (compiled blocks replayed as CUDA graphs, bf16; also with
+    "elementwise" recomputation, and without graphs) against the eager fp32 step, step by step
+    within bf16 rounding (GPU_TOLERANCES; test_the_gpu_step_comparison_rejects_a_broken_step
+    shows that a broken step fails them)."""
+    reference = gpu_trace(tmp_path, "eager-fp32", family, compile=False, mixed_precision_param="float32")
+    for name, settings in (("compiled", {}), ("elementwise", {"activation_checkpoint": "elementwise"}),
+                           ("no_graphs", {"cuda_graphs": False})):
+        run = gpu_trace(tmp_path, name, family, compile=True, **settings)
+        try:
+            assert_same_steps(run, reference, GPU_TOLERANCES, MIN_FALL)
+        except AssertionError as err:
+            raise AssertionError(f"{family} {name}: {err}") from None
+
+
+@pytest.fixture(scope="module")
+def rwkv7_fp32_reference(tmp_path_factory):
+    return gpu_trace(tmp_path_factory.mktemp("gpu-reference"), "eager-fp32", "rwkv7", compile=False,
+                     mixed_precision_param="float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sabotage", list(SABOTAGES))
+def test_the_gpu_step_comparison_rejects_a_broken_step(tmp_path, rwkv7_fp32_reference, sabotage):
+    """The shipped path with its optimizer doing nothing, or with its optimizer seeing zero or
+    stale gradients, fails GPU_TOLERANCES against the eager fp32 step."""
+    broken = gpu_trace(tmp_path, "broken", "rwkv7", compile=True, broken=SABOTAGES[sabotage])
+    with pytest.raises(AssertionError, match="steps differ beyond tolerance"):
+        assert_same_steps(broken, rwkv7_fp32_reference, GPU_TOLERANCES, MIN_FALL)
 
 
 @pytest.mark.gpu

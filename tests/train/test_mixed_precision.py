@@ -130,14 +130,18 @@ def test_trainer_runs_on_compute_copies_and_sums_their_gradients_in_fp32(tmp_pat
 
 
 @pytest.mark.gpu
-def test_compute_copies_train_like_autocast_alone_on_the_gpu(tmp_path, monkeypatch):
-    """Ten compiled bf16 steps (CUDA graphs, "elementwise" recomputation) on the compute copies and
-    with autocast casting the fp32 weights in every model call: the same losses within bf16 noise
-    (the forward's bf16 weights are the same roundings of the same fp32 weights)."""
-    from tests.train.test_compile import gpu_losses
+def test_compute_copies_train_like_autocast_alone_and_like_fp32_on_the_gpu(tmp_path, monkeypatch):
+    """Eight compiled bf16 steps (CUDA graphs, "elementwise" recomputation) on the compute copies,
+    and with autocast casting the fp32 weights in every model call: each step by step like the
+    eager fp32 step (tests/train/step_check.py), and like each other (the forward's bf16 weights
+    are the same roundings of the same fp32 weights)."""
+    from tests.train.step_check import GPU_TOLERANCES, MIN_FALL, assert_same_steps
+    from tests.train.test_compile import gpu_trace
 
-    copies = gpu_losses(tmp_path, "copies", "rwkv7", compile=True, activation_checkpoint="elementwise")
+    reference = gpu_trace(tmp_path, "eager-fp32", "rwkv7", compile=False, mixed_precision_param="float32")
+    copies = gpu_trace(tmp_path, "copies", "rwkv7", compile=True, activation_checkpoint="elementwise")
     monkeypatch.setattr(trainer_module, "compute_weights_dtype", lambda cfg, state: None)
-    autocast_alone = gpu_losses(tmp_path, "autocast", "rwkv7", compile=True, activation_checkpoint="elementwise")
-    assert copies[0] == pytest.approx(autocast_alone[0], rel=1e-3)
-    assert copies == pytest.approx(autocast_alone, rel=2e-2)
+    autocast_alone = gpu_trace(tmp_path, "autocast", "rwkv7", compile=True, activation_checkpoint="elementwise")
+    assert_same_steps(copies, reference, GPU_TOLERANCES, MIN_FALL)
+    assert_same_steps(autocast_alone, reference, GPU_TOLERANCES, MIN_FALL)
+    assert_same_steps(copies, autocast_alone, GPU_TOLERANCES, MIN_FALL)

@@ -43,29 +43,36 @@ def slurm_shims(folder):
 def test_slurm_time_limit_signal_saves_requeues_and_the_requeued_job_resumes(config, tmp_path):
     shims, dump, requeues = slurm_shims(tmp_path / "bin"), tmp_path / "slurm-run", tmp_path / "requeues"
 
-    def sbatch(restart: int, fault: str, log):
-        env = faults.environment(fault, SLURM_NNODES="1", SLURM_JOB_NODELIST="node0",
-                                 SLURM_JOB_ID="4242", SLURM_NODEID="0",
-                                 SLURM_RESTART_COUNT=str(restart), NGPU="1",
-                                 MASTER_PORT=str(faults.free_port()), LOG_DIR=str(tmp_path / "logs"),
-                                 SCONTROL_LOG=str(requeues), SHUTDOWN_TIMEOUT="60")
-        env["PATH"] = os.pathsep.join([str(shims), os.path.dirname(sys.executable), env["PATH"]])
-        return subprocess.Popen(["bash", "launch/slurm.sbatch", "--config", str(config),
-                                 "--job.dump_folder", str(dump)], cwd=faults.ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+    def sbatch(restart: int, fault: str, log_path, ready=lambda text: False):
+        """The job, started once more on another port while its torchrun finds the port taken
+        (another test process may bind it after `free_port` released it); returned once `ready`
+        holds for its log, or once it ended."""
+        for _ in range(faults.PORT_ATTEMPTS):
+            env = faults.environment(fault, SLURM_NNODES="1", SLURM_JOB_NODELIST="node0",
+                                     SLURM_JOB_ID="4242", SLURM_NODEID="0",
+                                     SLURM_RESTART_COUNT=str(restart), NGPU="1",
+                                     MASTER_PORT=str(faults.free_port()), LOG_DIR=str(tmp_path / "logs"),
+                                     SCONTROL_LOG=str(requeues), SHUTDOWN_TIMEOUT="60")
+            env["PATH"] = os.pathsep.join([str(shims), os.path.dirname(sys.executable), env["PATH"]])
+            with open(log_path, "w") as log:
+                job = subprocess.Popen(["bash", "launch/slurm.sbatch", "--config", str(config),
+                                        "--job.dump_folder", str(dump)], cwd=faults.ROOT, env=env,
+                                       stdout=log, stderr=subprocess.STDOUT)
+            faults.wait_for(lambda: ready(log_path.read_text()) or job.poll() is not None, 120, "the job")
+            if job.poll() is None or not faults.port_taken(log_path.read_text()):
+                return job
+        raise AssertionError(f"{faults.PORT_ATTEMPTS} ports in a row were taken: {log_path.read_text()[-2000:]}")
 
-    with open(tmp_path / "first.log", "w") as log:
-        job = sbatch(0, "forward:3:sleep=4", log)  # step 3 lasts 4 s more: the signal lands in it
-        faults.send_when(job, signal.SIGUSR1,
-                         lambda: "sleep=4 at forward of step 3" in (tmp_path / "first.log").read_text())
-        assert job.wait(timeout=120) == 0
+    job = sbatch(0, "forward:3:sleep=4", tmp_path / "first.log",  # step 3 lasts 4 s more: the signal lands in it
+                 ready=lambda text: "sleep=4 at forward of step 3" in text)
+    faults.send_when(job, signal.SIGUSR1, lambda: True)
+    assert job.wait(timeout=120) == 0
     output = (tmp_path / "first.log").read_text()
     assert "SIGUSR1 from Slurm" in output and "stopped by SIGUSR1 at step 3" in output, output
     assert requeues.read_text() == "requeue 4242\n"
     assert complete_steps(dump) == [3] and not (dump / LOCK_NAME).exists()
 
-    with open(tmp_path / "second.log", "w") as log:
-        assert sbatch(1, "", log).wait(timeout=120) == 0
+    assert sbatch(1, "", tmp_path / "second.log").wait(timeout=120) == 0
     output = (tmp_path / "second.log").read_text()
     assert resumed_from(output) == 3 and "exit status 0" in output, output
     assert requeues.read_text() == "requeue 4242\n"  # done: not requeued again

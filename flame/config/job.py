@@ -290,11 +290,12 @@ class Parallel:
     estimated peak of a rank's step with held weights takes at most 90% of the free memory of the
     GPU with the least, else freed (held on CPUs); the log gives both estimates and the choice."""
     reshard_after_forward: str = field(default="default", metadata=one_of("default", "always", "never"))
-    """Under FSDP with freed weights (parallel.fsdp_hold_weights false, or "auto" choosing them),
-    whether a block frees its gathered weights after its forward and gathers them again for the
-    backward: "default" (every block but the last, whose weights the backward needs at once),
-    "always", or "never" (one gather per block and micro-batch, the gathered weights of every
-    block held from the forward to the backward)."""
+    """Under FSDP with freed weights (parallel.fsdp_hold_weights false, or "auto" choosing them; a
+    config error with true, and a warning when "auto" holds them), whether a block frees its
+    gathered weights after its forward and gathers them again for the backward: "default" (every
+    block but the last, whose weights the backward needs at once), "always", or "never" (one
+    gather per block and micro-batch, the gathered weights of every block held from the forward to
+    the backward; the freed estimate counts them)."""
     init_timeout_minutes: float = field(default=20.0, metadata={"gt": 0})
     """Collective timeout from the process-group start to the end of the first step (setup, data,
     checkpoint load, compile)."""

@@ -206,11 +206,16 @@ def plan_data_parallel(cfg, world_size: int, params: memory_estimate.ParamCounts
     freed = memory_estimate.fsdp(cfg, params, shards, hold_weights=False)
     held_fits = report.compare(f"FSDP over {shards} with held weights", held)
     report.compare("with freed weights", freed)
+    warnings = ()
     if hold == "auto":
         hold = held_fits
+        if hold and par.reshard_after_forward != "default":
+            warnings = (f"parallel.reshard_after_forward = {par.reshard_after_forward!r} does not apply: "
+                        f"parallel.fsdp_hold_weights = \"auto\" holds the weights, which fit; set it to false "
+                        f"to free them",)
     if hold:
-        warnings = report.warn_unless_fits(held, "fsdp: with held weights", "set parallel.fsdp_hold_weights = "
-                                           "\"auto\" (freed weights where held ones do not fit)")
+        warnings += report.warn_unless_fits(held, "fsdp: with held weights", "set parallel.fsdp_hold_weights = "
+                                            "\"auto\" (freed weights where held ones do not fit)")
     else:
         warnings = report.warn_unless_fits(freed, "fsdp: with freed weights", SMALLER_STEP)
     return DataParallelPlan(replicate, shard if shard > 1 else -1, hold, report.reason(setting), warnings)

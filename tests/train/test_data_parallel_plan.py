@@ -135,3 +135,13 @@ def test_one_rank_that_does_not_fit_gets_a_warning():
     chosen = plan(config(*RWKV7_7B), 1)
     assert (chosen.replicate, chosen.shard) == (1, -1) and "replicas 135.0 GiB" in chosen.reason
     assert len(chosen.warnings) == 1 and "training.batch_size" in chosen.warnings[0]
+
+
+def test_auto_applies_reshard_after_forward_to_freed_weights_and_says_when_it_holds_them():
+    never = ("--parallel.reshard_after_forward", "never")
+    held = plan(config("rwkv7_340M", *never, "--parallel.data_parallel_shard_degree", "2"), 2)
+    assert held.hold_weights is True and len(held.warnings) == 1
+    assert "parallel.reshard_after_forward = 'never' does not apply" in held.warnings[0]
+    freed = plan(config(*RWKV7_7B, *never), 4)
+    assert freed.hold_weights is False and freed.warnings == ()
+    assert "with freed weights" in freed.reason

@@ -223,7 +223,9 @@ def run_throughput(args, config: str, run: str, out: Path) -> dict:
     result = throughput(args, dump)
     result["gpus"] = gpus
     choice = [line for line in log.read_text(errors="replace").splitlines() if "data parallel:" in line]
-    result["data_parallel"] = choice[0].split("data parallel:", 1)[1].strip() if choice else "one rank"
+    # the kind, without the reason and the memory estimates that follow it in brackets
+    kind = choice[0].split("data parallel:", 1)[1].split(" (", 1)[0] if choice else "one rank"
+    result["data_parallel"] = kind.strip()
     trace = dump / "profile" / "rank0.json"
     if args.profile and trace.is_file():
         result.update(trace_breakdown(trace, result["step_time_s"]))

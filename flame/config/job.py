@@ -280,30 +280,34 @@ class Metrics:
 @dataclass
 class Parallel:
     data_parallel_shard_degree: int = field(default=-1, metadata={"ge": -1, "ne": 0})
-    """How data-parallel ranks split the model. -1: flame chooses: every rank holds a replica when
-    the model's fp32 weights, gradients, AdamW state and bf16 compute copies (18 bytes per
-    parameter) take at most 40% of one GPU's memory (always on CPUs), else FSDP shards over every
-    rank; the log says which and why (with data_parallel_replicate_degree > 1, -1 instead fills
-    the ranks that replication leaves with shards). 1: replicas on every rank (the one-GPU step,
-    CUDA graphs included, and the gradients all-reduced in buckets during the backward). N > 1:
-    FSDP over N ranks (HSDP with data_parallel_replicate_degree replicas of them), for models that
-    do not fit."""
+    """How data-parallel ranks split the model. -1: flame chooses by memory: every rank holds a
+    replica when the estimated peak of a replica's step (fp32 weights, gradients and AdamW state,
+    compute copies, one micro-batch's activations at this config's batch, sequence length and
+    activation checkpointing) takes at most 90% of the free memory of the GPU with the least
+    (always on CPUs), else FSDP shards over every rank; the log gives the estimates and the choice
+    (with data_parallel_replicate_degree > 1, -1 instead fills the ranks that replication leaves
+    with shards). 1: replicas on every rank (the one-GPU step, CUDA graphs included, and the
+    gradients all-reduced in buckets during the backward). N > 1: FSDP over N ranks (HSDP with
+    data_parallel_replicate_degree replicas of them), for models that do not fit."""
     data_parallel_replicate_degree: int = field(default=1, metadata={"ge": 1})
     """Replicas of the FSDP shard group (HSDP), across nodes; equal to the number of ranks, or
     with data_parallel_shard_degree = 1, the model is replicated without FSDP."""
-    fsdp_hold_weights: bool = True
-    """Under FSDP, gather each block's bf16 weights once per step and keep them on every rank (2
-    bytes per parameter, in buffers that every step reuses, so the compiled blocks replay as CUDA
-    graphs), with the step's gradients unsharded in the reduce dtype until its last micro-batch
-    reduce-scatters them: one gather and one reduction per block and step. false: FSDP frees a
-    block's weights after use (parallel.reshard_after_forward) and reduce-scatters after every
-    micro-batch, without CUDA graphs: the least memory, for models whose gathered weights do not
-    fit (the log warns when held weights and a rank's shards take over 40% of a GPU's memory)."""
+    fsdp_hold_weights: bool | str = field(default="auto", metadata={"choices": ("auto", True, False)})
+    """Under FSDP: true gathers each block's bf16 weights once per step and keeps them on every
+    rank (2 bytes per parameter, in buffers that every step reuses, so the compiled blocks replay
+    as CUDA graphs), with the step's gradients unsharded in the reduce dtype until its last
+    micro-batch reduce-scatters them: one gather and one reduction per block and step. false:
+    FSDP frees a block's weights after use (parallel.reshard_after_forward) and reduce-scatters
+    after every micro-batch, without CUDA graphs: the least memory. "auto": held when the
+    estimated peak of a rank's step with held weights takes at most 90% of the free memory of the
+    GPU with the least, else freed (held on CPUs); the log gives both estimates and the choice."""
     reshard_after_forward: str = field(default="default", metadata=one_of("default", "always", "never"))
-    """Under FSDP with parallel.fsdp_hold_weights = false, whether a block frees its gathered
-    weights after its forward and gathers them again for the backward: "default" (every block but
-    the last, whose weights the backward needs at once), "always", or "never" (one gather per block
-    and micro-batch, the gathered weights of every block held from the forward to the backward)."""
+    """Under FSDP with freed weights (parallel.fsdp_hold_weights false, or "auto" choosing them; a
+    config error with true, and a warning when "auto" holds them), whether a block frees its
+    gathered weights after its forward and gathers them again for the backward: "default" (every
+    block but the last, whose weights the backward needs at once), "always", or "never" (one
+    gather per block and micro-batch, the gathered weights of every block held from the forward to
+    the backward; the freed estimate counts them)."""
     init_timeout_minutes: float = field(default=20.0, metadata={"gt": 0})
     """Collective timeout from the process-group start to the end of the first step (setup, data,
     checkpoint load, compile)."""

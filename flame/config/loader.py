@@ -17,6 +17,7 @@ import inspect
 import math
 import sys
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,11 @@ def schema() -> dict[str, dict[str, Key]]:
         hints = typing.get_type_hints(section_cls)
         for name, tp in hints.items():
             item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
-            if item not in SCALAR_TYPES:
+            if any(member not in SCALAR_TYPES for member in union_members(item)):
                 raise TypeError(
                     f"{section_field.name}.{name}: field type {tp} is not supported by the config "
-                    f"loader (use bool, int, float, str or a list of one of them)"
+                    f"loader (use bool, int, float, str, a union of them such as bool | str, or a list "
+                    f"of one of them)"
                 )
         default_section = section_cls()
         sections[section_field.name] = {
@@ -106,10 +108,15 @@ def _field_docstrings() -> dict[tuple[str, str], str]:
     return docs
 
 
+def union_members(tp: Any) -> tuple:
+    """The types of a union annotation (`bool | str`), in its order; (tp,) for any other type."""
+    return typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+
+
 def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         return f"list of {type_name(typing.get_args(tp)[0])}"
-    return tp.__name__
+    return " or ".join(member.__name__ for member in union_members(tp))
 
 
 def _did_you_mean(name: str, choices: list[str]) -> str:
@@ -157,7 +164,13 @@ def check_type(key: Key, value: Any, where: str = "") -> Any:
             raise ConfigError(f"{label}: expected {type_name(tp)}, got {_describe(value)}")
         item = Key(key.section, key.name, typing.get_args(tp)[0], None, {}, "")
         return [check_type(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
+    if isinstance(tp, types.UnionType):
+        for member in union_members(tp):
+            try:
+                return check_type(dataclasses.replace(key, type=member), value, where)
+            except ConfigError:
+                pass
+    elif tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:
@@ -196,6 +209,12 @@ def parse_cli_value(key: Key, text: str) -> Any:
             return []
         item = Key(key.section, key.name, typing.get_args(tp)[0], None, {}, "")
         return [parse_cli_value(item, part.strip()) for part in stripped.split(",")]
+    if isinstance(tp, types.UnionType):  # the first member type that reads the text
+        for member in union_members(tp):
+            value = parse_cli_value(dataclasses.replace(key, type=member), text)
+            if member is str or not isinstance(value, str):
+                return value
+        return text
     if tp is bool:
         return BOOL_WORDS.get(text.strip().lower(), text)
     if tp is int:
@@ -220,8 +239,11 @@ def check_constraints(key: Key, value: Any) -> list[str]:
     c = key.constraints
     problems = []
     if "choices" in c and value not in c["choices"]:
-        choices = ", ".join(map(str, c["choices"]))
-        problems.append(f"{key.path} must be one of {choices}, got {value!r}")
+        choices = ", ".join(map(_choice_text, c["choices"]))
+        hint = ""
+        if isinstance(value, str) and value.lower() in BOOL_WORDS and bool in union_members(key.type):
+            hint = " (a string; write true or false without quotes)"
+        problems.append(f"{key.path} must be one of {choices}, got {value!r}{hint}")
     for op, test in (
         ("ge", lambda a, b: a >= b),
         ("gt", lambda a, b: a > b),
@@ -270,10 +292,11 @@ def cross_field_problems(cfg: JobConfig) -> list[str]:
                 f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
                 f"({m.num_kv_heads}) for grouped queries"
             )
-    if cfg.parallel.fsdp_hold_weights and cfg.parallel.reshard_after_forward != "default":
+    if cfg.parallel.fsdp_hold_weights is True and cfg.parallel.reshard_after_forward != "default":
         problems.append(
             f"parallel.reshard_after_forward = {cfg.parallel.reshard_after_forward!r} applies only "
-            f"with parallel.fsdp_hold_weights = false (held weights stay gathered over the step)"
+            f"to freed weights, not with parallel.fsdp_hold_weights = true (held weights stay gathered "
+            f"over the step); set it to false, or to \"auto\" to let memory choose"
         )
     if cfg.lr_scheduler.lr_min > cfg.optimizer.lr:
         problems.append(
@@ -570,10 +593,15 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def _choice_text(choice: Any) -> str:
+    """A choice as a config file writes it, quotes aside: true and false for bools."""
+    return _toml_value(choice) if isinstance(choice, bool) else str(choice)
+
+
 def _describe_constraints(c: dict) -> str:
     parts = []
     if "choices" in c:
-        parts.append("one of " + "/".join(map(str, c["choices"])))
+        parts.append("one of " + "/".join(map(_choice_text, c["choices"])))
     for op, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("ne", "!=")):
         if op in c:
             parts.append(f"{symbol} {c[op]}")

@@ -6,9 +6,11 @@ MixedPrecisionPolicy of the config (fp32 master weights and AdamW state sharded 
 bf16 weights gathered for compute) and FSDP's own gradient averaging off: the loss is already
 normalised by the global valid-token count, so the gradients are summed.
 
-Two schedules (parallel.fsdp_hold_weights):
+Two schedules (parallel.fsdp_hold_weights; "auto", the default, holds the weights where the
+estimated peak of a rank's step with them fits in the free memory of the GPU with the least, else
+frees them: `flame.train.memory_estimate`, `flame.train.parallel.plan_data_parallel`):
 
-- **Held weights** (the default). A block's weights are gathered once per step, at the first
+- **Held weights**. A block's weights are gathered once per step, at the first
   micro-batch's forward, and stay gathered until the step's last backward; its gradients
   accumulate unsharded over the micro-batches and are reduce-scattered once, at the last
   micro-batch. The gathered weights keep their memory between steps (`hold_gathered_weights`):

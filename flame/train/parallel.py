@@ -4,14 +4,16 @@ plan, FSDP2, AC, compile.
 - Under torchrun (WORLD_SIZE set) every rank joins one process group: NCCL for CUDA tensors plus
   gloo for CPU tensors on GPUs, gloo alone on CPUs. A single process without torchrun runs without
   torch.distributed.
-- Data parallelism comes in two kinds (`plan_data_parallel`). Replicated: every rank holds the
-  whole model and runs the one-GPU step (fp32 weights under `torch.autocast`, compute copies of the
-  matrices, `flame.train.mixed_precision`; blocks replayed as CUDA graphs), and the gradients are
-  summed over the ranks in a few large all-reduces that start during the backward
-  (`flame.train.accumulation`). Sharded (FSDP2, HSDP across replicas): the parameters, gradients
-  and optimizer state are split over the ranks, for models whose training state does not fit on
-  one device; FSDP keeps fp32 master weights and gathers bf16 compute copies
-  (`MixedPrecisionPolicy`). One rank is the replicated kind with nothing to reduce.
+- Data parallelism comes in two kinds (`plan_data_parallel`: by default by the estimated peak
+  memory of a step, `flame.train.memory_estimate`, against the free memory of the GPU with the
+  least: replicas where they fit, else FSDP, with its weights held where they fit, else freed).
+  Replicated: every rank holds the whole model and runs the one-GPU step (fp32 weights under
+  `torch.autocast`, compute copies of the matrices, `flame.train.mixed_precision`; blocks replayed
+  as CUDA graphs), and the gradients are summed over the ranks in a few large all-reduces that
+  start during the backward (`flame.train.accumulation`). Sharded (FSDP2, HSDP across replicas):
+  the parameters, gradients and optimizer state are split over the ranks, for models whose
+  training state does not fit on one device; FSDP keeps fp32 master weights and gathers bf16
+  compute copies (`MixedPrecisionPolicy`). One rank is the replicated kind with nothing to reduce.
 - torchtitan's ParallelDims builds the mesh: data_parallel_shard_degree > 1 is FSDP, adding
   data_parallel_replicate_degree gives HSDP; a shard degree of 1 replicates.
 - `parallelize` applies, in this order, activation checkpointing (torchtitan's FullAC /
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flame.train import memory_estimate
 from flame.train.fsdp import apply_fsdp
 
 logger = logging.getLogger("flame.train")
@@ -68,6 +71,10 @@ class ParallelState:
     parallel_dims: object | None = None  # torchtitan ParallelDims when distributed
     data_parallel: str = "one rank"
     """How the data-parallel ranks split the model, and why (`plan_data_parallel`), for the log."""
+    hold_weights: bool = True
+    """Under FSDP, whether each block's weights stay gathered over the step (flame.train.fsdp)."""
+    warnings: tuple[str, ...] = ()
+    """The plan's warnings (a forced path whose memory estimate does not fit), for the log."""
 
     @property
     def distributed(self) -> bool:
@@ -135,73 +142,136 @@ class ParallelState:
             dist.barrier()
 
 
-TRAINING_BYTES_PER_PARAMETER = 18
-"""What one parameter costs a replicated rank before any activation: its fp32 weight and gradient,
-AdamW's two fp32 moments and a bf16 compute copy."""
-REPLICATE_MEMORY_FRACTION = 0.4
-"""`plan_data_parallel` replicates when the training state takes at most this share of a device's
-memory: the rest holds the activations, which a config sizes for one GPU."""
-HELD_BYTES_PER_PARAMETER = 6
-"""What FSDP's held weights cost a rank per parameter beyond its shards (flame.train.fsdp): the
-gathered bf16 weight and, during a step, the unsharded fp32 gradient."""
-SHARDED_BYTES_PER_PARAMETER = 12
-"""What FSDP shards over the ranks per parameter: the fp32 weight and AdamW's two fp32 moments."""
-
-
-def check_held_weights_fit(num_params: int, shards: int, device: torch.device) -> str | None:
-    """A warning when FSDP's held weights and a rank's shards of the fp32 weights and AdamW state
-    (SHARDED_BYTES_PER_PARAMETER over `shards` ranks) take more than REPLICATE_MEMORY_FRACTION of the
-    device's memory, else None."""
-    if device.type != "cuda":
-        return None
-    need = num_params * (HELD_BYTES_PER_PARAMETER + SHARDED_BYTES_PER_PARAMETER / shards)
-    have = torch.cuda.get_device_properties(device).total_memory
-    if need <= REPLICATE_MEMORY_FRACTION * have:
-        return None
-    return (f"fsdp: held weights and the shards of {num_params / 1e6:.0f}M parameters take {need / 2**30:.1f} GiB, "
-            f"more than {REPLICATE_MEMORY_FRACTION:.0%} of this GPU's {have / 2**30:.0f} GiB; if the run runs out "
-            f"of memory, set parallel.fsdp_hold_weights = false (weights gathered per block and freed after use)")
-
-
 @dataclass(frozen=True)
 class DataParallelPlan:
+    """How the data-parallel ranks split the model (`plan_data_parallel`)."""
+
     replicate: int
     shard: int
+    """-1: the ranks that replication leaves (torchtitan's ParallelDims fills it)."""
+    hold_weights: bool
+    """Under FSDP: each block's weights stay gathered over the step (flame.train.fsdp)."""
     reason: str
+    """Why, with the memory estimates where they decided, for the log."""
+    warnings: tuple[str, ...] = ()
+    """A path the config forces whose estimate does not fit."""
 
 
-def plan_data_parallel(par, world_size: int, device: torch.device, num_params: int) -> DataParallelPlan:
-    """How `world_size` data-parallel ranks split the model (`par`: the [parallel] config).
+SMALLER_STEP = ("lower training.batch_size (and raise training.gradient_accumulation_steps), or set "
+                "training.activation_checkpoint to \"elementwise\" or \"full\"")
+"""What to change when even the path of the least memory does not fit."""
 
-    data_parallel_shard_degree > 1 shards with FSDP over that many ranks (HSDP with
+
+def plan_data_parallel(cfg, world_size: int, params: memory_estimate.ParamCounts,
+                       free_bytes: int | None) -> DataParallelPlan:
+    """How `world_size` data-parallel ranks split a model of `params` under the config `cfg`, whose
+    ranks have at least `free_bytes` of free GPU memory each (None: CPUs).
+
+    parallel.data_parallel_shard_degree > 1 shards with FSDP over that many ranks (HSDP with
     data_parallel_replicate_degree replicas of them); 1 replicates on every rank; -1 (the default)
     with a replicate degree > 1 fills the rest with shards (HSDP, or replicas when nothing is left
-    to shard); -1 alone replicates when the training state of `num_params` parameters fits on one
-    device (TRAINING_BYTES_PER_PARAMETER, REPLICATE_MEMORY_FRACTION of a GPU's memory; always on
-    CPUs), and otherwise shards over every rank."""
+    to shard); -1 alone replicates when a replica's estimated peak fits (`memory_estimate`; always
+    on CPUs), and otherwise shards over every rank. Under FSDP, parallel.fsdp_hold_weights "auto"
+    holds the weights when the held estimate fits (always on CPUs), else frees them. The reason
+    names the settings and, on GPUs, gives the estimates that were compared."""
+    par = cfg.parallel
     shard, replicate = par.data_parallel_shard_degree, par.data_parallel_replicate_degree
+    report = MemoryReport(free_bytes)
+    replicas = memory_estimate.replicated(cfg, params, world_size)
     if shard > 1:
-        return DataParallelPlan(replicate, shard, "parallel.data_parallel_shard_degree > 1")
-    if shard == 1:
-        return DataParallelPlan(world_size, 1, "parallel.data_parallel_shard_degree = 1")
-    if replicate > 1:
-        return DataParallelPlan(replicate, -1, "parallel.data_parallel_replicate_degree > 1, the "
-                                "shard degree -1 fills the rest")
-    need = TRAINING_BYTES_PER_PARAMETER * num_params
-    state = f"the training state of {num_params / 1e6:.0f}M parameters ({need / 2**30:.1f} GiB)"
-    if device.type != "cuda":
-        return DataParallelPlan(world_size, 1, f"{state} on CPUs")
-    have = torch.cuda.get_device_properties(device).total_memory
-    if need <= REPLICATE_MEMORY_FRACTION * have:
-        return DataParallelPlan(world_size, 1, f"{state} fits in {REPLICATE_MEMORY_FRACTION:.0%} of "
-                                f"one GPU's {have / 2**30:.0f} GiB")
-    return DataParallelPlan(1, -1, f"{state} does not fit in {REPLICATE_MEMORY_FRACTION:.0%} "
-                            f"of one GPU's {have / 2**30:.0f} GiB")
+        shards, setting = shard, f"parallel.data_parallel_shard_degree = {shard}"
+    elif shard == -1 and replicate > 1:
+        shards = world_size // replicate
+        setting = (f"parallel.data_parallel_replicate_degree = {replicate}, the shard degree -1 fills "
+                   f"the rest")
+    elif shard == 1:
+        report.compare("replicas", replicas)
+        warnings = report.warn_unless_fits(replicas, "replicas", "set parallel.data_parallel_shard_degree = -1 "
+                                           "(FSDP where replicas do not fit)")
+        return DataParallelPlan(world_size, 1, True, report.reason("parallel.data_parallel_shard_degree = 1"),
+                                warnings)
+    else:
+        setting = "parallel.data_parallel_shard_degree = -1"
+        if free_bytes is None or report.compare("replicas", replicas):
+            return DataParallelPlan(world_size, 1, True, report.reason(setting))
+        shards = world_size
+    if shards <= 1:  # nothing left to shard: replicas (ParallelDims checks the degrees)
+        warnings = report.warn_unless_fits(replicas, "replicas", SMALLER_STEP)
+        return DataParallelPlan(replicate, -1, True, report.reason(setting), warnings)
+    hold = par.fsdp_hold_weights
+    setting += f", parallel.fsdp_hold_weights = {hold_setting_text(hold)}"
+    if free_bytes is None:
+        return DataParallelPlan(replicate, shard if shard > 1 else -1, hold is not False, report.reason(setting))
+    held = memory_estimate.fsdp(cfg, params, shards, hold_weights=True)
+    freed = memory_estimate.fsdp(cfg, params, shards, hold_weights=False)
+    held_fits = report.compare(f"FSDP over {shards} with held weights", held)
+    report.compare("with freed weights", freed)
+    warnings = ()
+    if hold == "auto":
+        hold = held_fits
+        if hold and par.reshard_after_forward != "default":
+            warnings = (f"parallel.reshard_after_forward = {par.reshard_after_forward!r} does not apply: "
+                        f"parallel.fsdp_hold_weights = \"auto\" holds the weights, which fit; set it to false "
+                        f"to free them",)
+    if hold:
+        warnings += report.warn_unless_fits(held, "fsdp: with held weights", "set parallel.fsdp_hold_weights = "
+                                            "\"auto\" (freed weights where held ones do not fit)")
+    else:
+        warnings = report.warn_unless_fits(freed, "fsdp: with freed weights", SMALLER_STEP)
+    return DataParallelPlan(replicate, shard if shard > 1 else -1, hold, report.reason(setting), warnings)
 
 
-def setup_parallel(cfg, device: torch.device, num_params: int) -> ParallelState:
+class MemoryReport:
+    """The memory estimates that `plan_data_parallel` compares against the free memory of the GPU
+    with the least (`free_bytes`; None on CPUs), for its reason and warnings."""
+
+    def __init__(self, free_bytes: int | None):
+        self.free_bytes = free_bytes
+        self.verdicts: list[str] = []
+
+    def compare(self, name: str, estimate: memory_estimate.Estimate) -> bool:
+        """Whether `estimate` fits (on CPUs: nothing is compared, False)."""
+        if self.free_bytes is None:
+            return False
+        fits = estimate.fits(self.free_bytes)
+        self.verdicts.append(f"{name} {estimate.describe()} {'fit' if fits else 'do not fit'}")
+        return fits
+
+    @property
+    def usable(self) -> str:
+        return (f"{memory_estimate.gib(memory_estimate.FIT_FRACTION * self.free_bytes)} GiB usable "
+                f"({memory_estimate.FIT_FRACTION:.0%} of the {memory_estimate.gib(self.free_bytes)} GiB free on "
+                f"the GPU with the least)")
+
+    def reason(self, setting: str) -> str:
+        if self.free_bytes is None:
+            return f"{setting}; CPUs"
+        return f"{setting}; estimated memory per GPU, against {self.usable}: {', '.join(self.verdicts)}"
+
+    def warn_unless_fits(self, estimate: memory_estimate.Estimate, name: str, advice: str) -> tuple[str, ...]:
+        """A warning when `estimate` does not fit, with `advice`; () when it does or on CPUs."""
+        if self.free_bytes is None or estimate.fits(self.free_bytes):
+            return ()
+        return (f"{name}: the estimated peak per GPU, {estimate.describe()}, exceeds the {self.usable}; "
+                f"if the run runs out of memory, {advice}",)
+
+
+def hold_setting_text(setting) -> str:
+    """parallel.fsdp_hold_weights as a config file writes it."""
+    return f'"{setting}"' if isinstance(setting, str) else str(setting).lower()
+
+
+def smallest_free_memory(device: torch.device) -> int:
+    """The free memory of the GPU with the least of it, over every rank (a host all-reduce)."""
+    free = torch.tensor([memory_estimate.free_memory(device)], dtype=torch.int64)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    return int(free.item())
+
+
+def setup_parallel(cfg, device: torch.device, params: memory_estimate.ParamCounts) -> ParallelState:
     """Join the process group (when there is one to join), choose how the data-parallel ranks split
-    a model of `num_params` parameters (`plan_data_parallel`) and build the device mesh."""
+    a model of `params` (`plan_data_parallel`, against the free memory of the GPU with the least)
+    and build the device mesh."""
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if not launched:
         return ParallelState(device=device)
@@ -227,7 +297,8 @@ def setup_parallel(cfg, device: torch.device, num_params: int) -> ParallelState:
 
     titan_parallel_dims.device_type = device.type  # torchtitan assumes CUDA otherwise
     par = cfg.parallel
-    plan = plan_data_parallel(par, world_size, device, num_params)
+    free = smallest_free_memory(device) if device.type == "cuda" else None
+    plan = plan_data_parallel(cfg, world_size, params, free)
     try:
         parallel_dims = titan_parallel_dims.ParallelDims(
             dp_replicate=plan.replicate, dp_shard=plan.shard,
@@ -246,13 +317,15 @@ def setup_parallel(cfg, device: torch.device, num_params: int) -> ParallelState:
     if parallel_dims.dp_shard > 1:
         kind = (f"FSDP over {parallel_dims.dp_shard} ranks" if parallel_dims.dp_replicate == 1 else
                 f"HSDP, {parallel_dims.dp_replicate} replicas of FSDP over {parallel_dims.dp_shard} ranks")
+        kind += ", weights held gathered" if plan.hold_weights else ", weights freed after use"
     elif dp_world_size > 1:
         kind = f"replicated over {dp_world_size} ranks, the gradients all-reduced in buckets"
     else:
         kind = "one rank"
     state = ParallelState(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
                           dp_rank=dp_rank, dp_world_size=dp_world_size, parallel_dims=parallel_dims,
-                          data_parallel=f"{kind} ({plan.reason})")
+                          data_parallel=f"{kind} ({plan.reason})", hold_weights=plan.hold_weights,
+                          warnings=plan.warnings)
     state.set_collective_timeout(par.init_timeout_minutes)  # the mesh groups got torch's default
     return state
 
@@ -385,8 +458,8 @@ def cuda_graphs_enabled(cfg, state: ParallelState) -> bool:
     read them on the host)."""
     if not (cfg.training.compile and cfg.training.cuda_graphs and state.device.type == "cuda"):
         return False
-    for reason, applies in (("FSDP with parallel.fsdp_hold_weights = false",
-                             state.fsdp and not cfg.parallel.fsdp_hold_weights),
+    for reason, applies in (("FSDP with freed weights (parallel.fsdp_hold_weights)",
+                             state.fsdp and not state.hold_weights),
                             ("training.varlen", cfg.training.varlen)):
         if applies:
             logger.info("compile: training.cuda_graphs is off under %s", reason)
@@ -427,16 +500,11 @@ def parallelize(model: nn.Module, cfg, state: ParallelState, cuda_graphs: bool =
     if state.fsdp:
         param_dtype, grad_dtype = fsdp_dtypes(cfg, state)
         mesh = fsdp_mesh(state)
-        if cfg.parallel.fsdp_hold_weights:
-            warning = check_held_weights_fit(sum(p.numel() for p in model.parameters()),
-                                             state.parallel_dims.dp_shard, state.device)
-            if warning:
-                logger.warning(warning)
-        apply_fsdp(model, mesh, param_dtype, grad_dtype, hold_weights=cfg.parallel.fsdp_hold_weights,
+        apply_fsdp(model, mesh, param_dtype, grad_dtype, hold_weights=state.hold_weights,
                    reshard_after_forward=cfg.parallel.reshard_after_forward)
         logger.info("fsdp: %s mesh %s, params %s, reduce %s, %s", "HSDP" if mesh.ndim > 1 else "FSDP",
                     dict(zip(mesh.mesh_dim_names, mesh.shape)), param_dtype, grad_dtype,
-                    "weights held gathered, gradients reduced once per step" if cfg.parallel.fsdp_hold_weights
+                    "weights held gathered, gradients reduced once per step" if state.hold_weights
                     else f"weights freed after use (reshard_after_forward {cfg.parallel.reshard_after_forward})")
     return model
 

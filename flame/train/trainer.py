@@ -42,6 +42,7 @@ from flame.train.fault_injection import fault_point
 from flame.train.fsdp import MicroBatchSchedule
 from flame.train.loss import IGNORE_INDEX
 from flame.train.lr_schedule import build_lr_scheduler
+from flame.train.memory_estimate import ParamCounts
 from flame.train.metrics import MetricsLogger, StepLog, setup_logging
 from flame.train.mixed_precision import ComputeWeights
 from flame.train.nonfinite import NonFiniteGuard, NonFiniteTrainingError, Outcome
@@ -107,8 +108,7 @@ class Trainer(Stateful):
         # 1. the processes: device, ranks and mesh (sized by the model), seed, dump folder
         with torch.device("meta"):
             model = (model_factory or build_model)(cfg.model)
-        num_params = sum(p.numel() for p in model.parameters())
-        self.parallel: ParallelState = setup_parallel(cfg, resolve_device(training.device), num_params)
+        self.parallel: ParallelState = setup_parallel(cfg, resolve_device(training.device), ParamCounts.of(model))
         self.device, self.rank = self.parallel.device, self.parallel.rank
         setup_logging(self.rank)
         self.seed_everything()
@@ -119,6 +119,8 @@ class Trainer(Stateful):
         logger.info("job %s: dump folder %s, %d process(es) on %s", cfg.job.name,
                     self.dump_folder, self.parallel.world_size, self.device)
         logger.info("data parallel: %s", self.parallel.data_parallel)
+        for warning in self.parallel.warnings:
+            logger.warning(warning)
 
         # 2. tokenizer and data
         logger.info("data: loading the tokenizer and %s data ...", cfg.data.dataset)
@@ -141,7 +143,7 @@ class Trainer(Stateful):
         accumulator = None if self.parallel.fsdp else GradientAccumulator(
             params, compute_weights.grad_targets(params), self.parallel.replica_group,
             reduce_dtype(cfg, self.parallel))
-        fsdp_schedule = MicroBatchSchedule(self.model, cfg.parallel.fsdp_hold_weights, self.cuda_graphs,
+        fsdp_schedule = MicroBatchSchedule(self.model, self.parallel.hold_weights, self.cuda_graphs,
                                            *fsdp_dtypes(cfg, self.parallel)) if self.parallel.fsdp else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, training.steps,

@@ -312,8 +312,9 @@ def test_constraints(write, override, expected):
         ("[metrics]\nval_freq = 10\n[data]\nval_fraction = 0", "data.val_fraction = 0 disables"),
         ("[training]\nnan_recovery = true\n[checkpoint]\nenable = false",
          "training.nan_recovery needs checkpoint.enable = true"),
-        ("[parallel]\nreshard_after_forward = 'always'",
-         "parallel.reshard_after_forward = 'always' applies only with parallel.fsdp_hold_weights = false"),
+        ("[parallel]\nfsdp_hold_weights = true\nreshard_after_forward = 'always'",
+         "parallel.reshard_after_forward = 'always' applies only to freed weights, not with "
+         "parallel.fsdp_hold_weights = true"),
     ],
 )
 def test_cross_field_checks(write, toml, expected):
@@ -329,6 +330,45 @@ def test_cross_field_checks_accept_valid_combinations(write):
     assert local.data.data_files == ["a.jsonl"]
     freed = load(write("[parallel]\nfsdp_hold_weights = false\nreshard_after_forward = 'never'\n"))
     assert freed.parallel.reshard_after_forward == "never"
+    # "auto" may choose freed weights, to which the setting applies
+    auto = load(write("[parallel]\nreshard_after_forward = 'never'\n"))
+    assert (auto.parallel.fsdp_hold_weights, auto.parallel.reshard_after_forward) == ("auto", "never")
+
+
+@pytest.mark.parametrize(("toml", "args", "expected"), [
+    ("", (), "auto"),
+    ("[parallel]\nfsdp_hold_weights = true", (), True),
+    ("[parallel]\nfsdp_hold_weights = false", (), False),
+    ("[parallel]\nfsdp_hold_weights = 'auto'", (), "auto"),
+    ("[parallel]\nfsdp_hold_weights = true", ("--parallel.fsdp_hold_weights", "auto"), "auto"),
+    ("", ("--parallel.fsdp_hold_weights", "false"), False),
+    ("", ("--parallel.fsdp_hold_weights=yes",), True),
+])
+def test_fsdp_hold_weights_is_a_bool_or_auto(write, toml, args, expected):
+    value = load(write(toml + "\n"), *args).parallel.fsdp_hold_weights
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize(("toml", "args", "expected"), [
+    ("[parallel]\nfsdp_hold_weights = 1", (), "parallel.fsdp_hold_weights: expected bool or str, got int 1"),
+    ("[parallel]\nfsdp_hold_weights = 'sometimes'", (),
+     "parallel.fsdp_hold_weights must be one of auto, true, false, got 'sometimes'"),
+    ("", ("--parallel.fsdp_hold_weights", "Auto"),
+     "parallel.fsdp_hold_weights must be one of auto, true, false, got 'Auto' (from --parallel.fsdp_hold_weights)"),
+    ("[parallel]\nfsdp_hold_weights = 'false'", (),
+     "parallel.fsdp_hold_weights must be one of auto, true, false, got 'false' (a string; write true or "
+     "false without quotes)"),
+])
+def test_fsdp_hold_weights_errors_name_the_values(write, toml, args, expected):
+    assert expected in error_of(write(toml + "\n"), *args)
+
+
+def test_a_bool_or_auto_key_round_trips_and_is_documented(capsys):
+    for value in ("auto", True, False):
+        cfg = JobConfig()
+        cfg.parallel.fsdp_hold_weights = value
+        assert config_from_dict(tomllib.loads(to_toml(cfg))) == cfg
+    assert 'fsdp_hold_weights (bool or str, default "auto"; one of auto/true/false)' in loader.help_text()
 
 
 def test_every_problem_is_reported_at_once(write):

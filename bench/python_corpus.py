@@ -36,7 +36,7 @@ def source_files(packages: list[str]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] + " Runs on any machine (CPU).")
     parser.add_argument("--out", required=True, help="the JSONL file to write")
     parser.add_argument("--packages", default="torch",
                         help="comma-separated installed packages whose sources are added")

@@ -501,7 +501,8 @@ def report(runs: list[Path], out: Path | None, smooth: int = 20, max_step: int =
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " init, train and parity "
+                                     "need a CUDA GPU and an RWKV-LM checkout; report runs on any machine.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_init = sub.add_parser("init", help="write RWKV-LM's initial weights (.pth)")

@@ -208,3 +208,21 @@ def test_missing_text_field_and_empty_data(tokenizer, tmp_path):
 def test_too_little_data_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than one window"):
         arange_loader(n=30, seq_len=10, world=4)
+
+
+def test_data_seed_sets_the_order_whatever_the_job_seed(corpus, tokenizer):
+    from flame.config import Data, Training
+    from flame.data import build_job_dataloader
+
+    path, _ = corpus
+    training = Training(batch_size=2, seq_len=8)
+
+    def first_batches(data, job_seed):
+        loader = build_job_dataloader(data, training, tokenizer=tokenizer, split="train", job_seed=job_seed)
+        return torch.cat([b["input_ids"] for b in take(loader, 4)])
+
+    pinned = Data(dataset="json", data_files=[str(path)], val_fraction=0.0, seed=7)
+    assert torch.equal(first_batches(pinned, 1), first_batches(pinned, 2))
+    following = Data(dataset="json", data_files=[str(path)], val_fraction=0.0)
+    assert torch.equal(first_batches(following, 7), first_batches(pinned, 123))
+    assert not torch.equal(first_batches(following, 1), first_batches(following, 2))

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,24 @@ def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tokenizer):
     tokenizer.check_vocab_size(32000)  # a padded vocabulary: extra rows are never a label
     with pytest.raises(ValueError, match="model.vocab_size is 8000 .* 8192 tokens"):
         tokenizer.check_vocab_size(8000)
+
+
+def test_rwkv_world_tokenizer_round_trips_and_ends_documents_with_zero(tmp_path):
+    pytest.importorskip("rwkv")
+    world = load_tokenizer("rwkv-world")
+    assert (world.vocab_size, world.eod_id) == (65536, 0)
+    text = "def f(x):\n    return x ** 2  # squares ünïcode 中文\n"
+    ids = world.encode(text)
+    assert ids and all(1 <= i <= 65529 for i in ids)
+    assert world.decode(ids) == text
+    assert world.encode_batch([text, "a"]) == [ids, world.encode("a")]
+    world.check_vocab_size(65536)
+    with pytest.raises(DataError, match="65536"):
+        world.check_vocab_size(32000)
+    # the same vocabulary file named by path is the same tokenizer
+    import rwkv
+
+    vocab = Path(rwkv.__file__).parent / "rwkv_vocab_v20230424.txt"
+    assert load_tokenizer(str(vocab)).fingerprint == world.fingerprint
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "rwkv_vocab_v20230424.txt"))

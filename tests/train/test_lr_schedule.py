@@ -74,3 +74,15 @@ def test_a_warmup_longer_than_the_run_is_clamped_and_logged(flame_log):
     flame_log.clear()
     build_lr_scheduler(opt, LRScheduler(warmup_steps=4), total_steps=4, peak_lr=1e-3)
     assert flame_log == []
+
+
+def test_warmup_start_gives_rwkv_lms_warmup():
+    """RWKV-LM's warmup of w updates multiplies update s (0-based) by 0.01 + 0.99 s / w for s < w;
+    flame's warmup_steps = w + 1 with warmup_start = 0.01 is the same ramp, reaching 1 at s = w."""
+    w, total = 10, 100
+    flame = multipliers(total, warmup_steps=w + 1, warmup_start=0.01, min_ratio=0.1)
+    for s in range(w):
+        assert flame[s] == pytest.approx(0.01 + 0.99 * s / w)
+    assert flame[w] == pytest.approx(1.0)
+    assert flame[w + 1] < 1.0 and flame[-1] == pytest.approx(0.1)
+    assert multipliers(10, warmup_steps=4, warmup_start=0.0)[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])

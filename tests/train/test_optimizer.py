@@ -74,3 +74,15 @@ def test_decay_bias_moves_twice_as_fast():
 def test_unsupported_optimizer_is_named():
     with pytest.raises(ValueError, match="optimizer.name"):
         build_optimizer(Toy(), Optimizer(name="SGD"))
+
+
+def test_decay_embeddings_puts_the_embedding_in_the_decay_group():
+    default = split_param_groups(Toy())
+    assert "embeddings.weight" in names(default, "no_decay")
+    groups = split_param_groups(Toy(), decay_embeddings=True)
+    assert "embeddings.weight" in names(groups, "decay")
+    assert "lm_head.weight" in names(groups, "decay")
+    assert "layers.0.ln.weight" in names(groups, "no_decay")
+    optimizer = build_optimizer(Toy(), Optimizer(weight_decay=0.001, decay_embeddings=True))
+    decay = next(g for g in optimizer.param_groups if g["name"] == "decay")
+    assert "embeddings.weight" in decay["param_names"] and decay["weight_decay"] == 0.001

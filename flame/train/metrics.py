@@ -136,7 +136,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.enable_wandb:
             self.wandb_run = _start_wandb(cfg.wandb_project, run_name, dump_folder, config_dict,
-                                          wandb_run_id)
+                                          wandb_run_id, cfg.wandb_init_timeout_seconds)
         if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -173,26 +173,33 @@ class MetricsLogger:
             self.tensorboard = None
 
 
-def _start_wandb(project: str, name: str, dump_folder: str, config_dict: dict, run_id: str | None):
-    """Start (or resume, with `run_id`) a wandb run; offline when there is no API key."""
+def _start_wandb(project: str, name: str, dump_folder: str, config_dict: dict, run_id: str | None,
+                 init_timeout_s: float):
+    """Start (or resume, with `run_id`) a wandb run. With an API key (or WANDB_MODE set) online,
+    waiting at most `init_timeout_s` for the server; without a key, or when the online start fails,
+    offline: the mode goes to `wandb.init` itself, which takes it even after a failed start in the
+    same process (an environment variable set then is ignored), and the run trains on."""
     import wandb
 
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or _wandb_logged_in()
-    if not has_key and os.environ.get("WANDB_MODE") is None:
-        os.environ["WANDB_MODE"] = "offline"
-        logger.info(
-            "wandb: no API key found, logging offline to %s/wandb; "
-            "sync later with `wandb sync %s/wandb/offline-run-*`", dump_folder, dump_folder,
-        )
     kwargs = dict(project=project, name=name, dir=dump_folder, config=config_dict)
     if run_id:
         kwargs.update(id=run_id, resume="allow")
-    try:
-        return wandb.init(**kwargs)
-    except Exception as err:  # network failure at init: fall back to offline, keep training
-        logger.warning("wandb online init failed (%s); logging offline instead", err)
-        os.environ["WANDB_MODE"] = "offline"
-        return wandb.init(**kwargs)
+    run = None
+    if os.environ.get("WANDB_API_KEY") or _wandb_logged_in() or os.environ.get("WANDB_MODE"):
+        try:
+            run = wandb.init(**kwargs, settings=wandb.Settings(init_timeout=init_timeout_s))
+        except Exception as err:  # wandb raises several types for an unreachable server
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            logger.warning("wandb: the online start failed (%s; metrics.wandb_init_timeout_seconds "
+                           "= %g); logging offline instead", first_line, init_timeout_s)
+    else:
+        logger.info("wandb: no API key found (WANDB_API_KEY or `wandb login`)")
+    if run is None:
+        run = wandb.init(**kwargs, mode="offline")
+    if run.settings.mode in ("offline", "dryrun"):
+        logger.info("wandb: logging offline to %s; upload it later with `wandb sync %s`",
+                    run.settings.sync_dir, run.settings.sync_dir)
+    return run
 
 
 def _wandb_logged_in() -> bool:

@@ -32,6 +32,8 @@ PANELS = (
     ("grad_norm", "gradient norm"),
 )
 """(training record key, panel title); the validation loss shares the loss panel."""
+MARKED_POINTS = 50
+"""A run's line has a marker at each point when it has at most this many."""
 
 
 class PlotError(RuntimeError):
@@ -76,8 +78,9 @@ def figure_of_runs(runs: list[tuple[str, RunMetrics]], x: str = "step", title: s
         position = _positions(metrics, x)
         for axis, (key, name) in zip(axes, panels):
             points = [(position(row["step"]), row[key]) for row in metrics.train if _has(row, key)]
-            if points:
-                axis.plot(*zip(*points), color=color, label=label if len(runs) > 1 else "training")
+            if points:  # a marker per point while they are few (a single point draws no line)
+                axis.plot(*zip(*points), color=color, label=label if len(runs) > 1 else "training",
+                          marker="o" if len(points) <= MARKED_POINTS else None, markersize=3)
             if key == "loss":
                 val = [(position(row["step"]), row["val_loss"]) for row in metrics.validation]
                 if val:

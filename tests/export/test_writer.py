@@ -4,6 +4,10 @@ refuses it in one line."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
+
 from flame.export import writer
 from tests.export.helpers import export, leftovers, run_export
 
@@ -37,3 +41,22 @@ def test_a_failed_export_leaves_nothing_and_keeps_the_old_output(runs, tmp_path,
     monkeypatch.setattr(writer, "write_safetensors", disk_full)
     assert export(runs["root"] / "gsa", out, "--overwrite") == 1
     assert (out / "model.safetensors").read_bytes() == before and leftovers(tmp_path) == []
+
+
+def test_modeling_file_names_what_to_install_when_flame_is_missing(tmp_path, monkeypatch):
+    """The hf folder's modeling_flame.py, run where `flame.export.hf` cannot be imported (flame not
+    installed, or fla-org/flame in its place), says how to install this project; transformers'
+    own check of the file's imports does not ask for `pip install flame` first."""
+    get_imports = pytest.importorskip("transformers.dynamic_module_utils").get_imports
+    path = tmp_path / "modeling_flame.py"
+    path.write_text(writer.MODELING_SOURCE)
+    assert "flame" not in get_imports(path)
+    namespace = {}
+    exec(compile(writer.MODELING_SOURCE, str(path), "exec"), namespace)  # flame installed: it loads
+    assert namespace["FlameForCausalLM"].__module__ == "flame.export.hf"
+    monkeypatch.setitem(sys.modules, "flame.export.hf", None)  # as if flame were not installed
+    with pytest.raises(ModuleNotFoundError) as info:
+        exec(compile(writer.MODELING_SOURCE, str(path), "exec"), {})
+    message = str(info.value)
+    assert "pip install -e ." in message and "pip install flame-lm" in message
+    assert "`pip install flame` installs an unrelated package" in message

@@ -15,7 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.metrics import MetricsError, read_metrics
+from bench.metrics import read_metrics
+from flame.run_metrics import MetricsFileError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a = {r["step"]: r for r in read_metrics(Path(args.a))}
         b = {r["step"]: r for r in read_metrics(Path(args.b))}
-    except MetricsError as err:
+    except MetricsFileError as err:
         raise SystemExit(f"bench.compare_runs: {err}") from None
     common = sorted(set(a) & set(b))
     print("step  loss_a   loss_b   rel_diff  gnorm_a  gnorm_b  tok/s/dev_a tok/s/dev_b  mfu_a  mfu_b  mem_a")

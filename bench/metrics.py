@@ -1,28 +1,19 @@
-"""Reading a training run's metrics.jsonl, the trainer's log of one JSON record per logged step (and per
-validation), for the tools that compare or measure runs (bench.compare_runs, bench.scale)."""
+"""Reading a training run's metrics.jsonl (`flame.run_metrics`: one training record per step, the last
+one written when a resumed run logged a step again) for the tools that compare or measure runs
+(bench.compare_runs, bench.scale); a file that cannot be read raises
+`flame.run_metrics.MetricsFileError`."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-
-class MetricsError(RuntimeError):
-    """A metrics file that cannot be read; the message says which and why."""
+from flame.run_metrics import read_run_metrics
 
 
-def read_metrics(path: Path, start_line: int = 0) -> list[dict]:
-    """The training records (not validation ones) of metrics.jsonl from line `start_line` on."""
-    if not path.is_file():
-        raise MetricsError(f"{path} is missing: the run logged nothing")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines()[start_line:], start_line + 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill: not a record
-            print(f"note: {path}:{number} is not JSON (cut by a kill?), skipped", file=sys.stderr)
-            continue
-        if "loss" in record:
-            records.append(record)
-    return records
+def read_metrics(path: Path) -> list[dict]:
+    """The training records (not validation ones) of metrics.jsonl, one per step, by step."""
+    metrics = read_run_metrics(path)
+    for number in metrics.unreadable_lines:
+        print(f"note: {path}:{number} is not JSON (cut by a kill?), skipped", file=sys.stderr)
+    return metrics.train

@@ -51,8 +51,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.metrics import MetricsError, read_metrics
+from bench.metrics import read_metrics
 from bench.timing import require_cuda, versions
+from flame.run_metrics import MetricsFileError
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ("single", "replicate", "fsdp", "hsdp", "nodes", "nodes_fsdp", "preempt")
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                     failed |= not runs[run]["passed"]
                 else:
                     runs[run] = run_throughput(args, config, run, out)
-            except (ScaleError, MetricsError) as err:
+            except (ScaleError, MetricsFileError) as err:
                 print(f"{name} {run}: FAILED: {err}", file=sys.stderr, flush=True)
                 runs[run] = {"error": str(err)}
                 failed = True

@@ -266,11 +266,15 @@ class Metrics:
     log_freq: int = field(default=10, metadata={"ge": 1})
     """Log every this many steps."""
     enable_wandb: bool = False
-    """Log to wandb (offline automatically without an API key)."""
+    """Log to wandb: online with an API key (WANDB_API_KEY or `wandb login`), else offline into
+    <job.dump_folder>/wandb; the log names the offline run's folder and its `wandb sync` command."""
     wandb_project: str = field(default="flame", metadata={"nonempty": True})
     """wandb project name."""
+    wandb_init_timeout_seconds: float = field(default=20.0, metadata={"gt": 0})
+    """How long wandb's online start waits for the server (wandb.init's init_timeout; wandb's own
+    login checks add up to 10 s) before the run logs to wandb offline instead and trains on."""
     enable_tensorboard: bool = False
-    """Write TensorBoard event files."""
+    """Write TensorBoard event files into <job.dump_folder>/tensorboard."""
     val_freq: int = field(default=0, metadata={"ge": 0})
     """Evaluate the validation loss every this many steps (0 disables)."""
     val_steps: int = field(default=10, metadata={"ge": 1})

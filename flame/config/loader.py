@@ -24,11 +24,17 @@ from typing import Any
 
 import flame
 from flame.config import job as job_schema
+from flame.config.foreign_keys import FOREIGN_KEYS, foreign_hint
 from flame.config.job import JobConfig
 
 HELP_FLAGS = ("-h", "--help")
 PRINT_FLAG = "--print-config"
 CONFIG_FLAG = "--config"
+CONFIG_FLAGS = (CONFIG_FLAG, "--job.config_file")
+"""`--job.config_file FILE` is torchtitan's and fla-org/flame's spelling of `--config FILE`."""
+NEGATIONS = ("no-", "no_")
+"""Prefixes of other tools' false flags (`--no-training.compile`, `--training.no_compile`), which
+flame answers with its own spelling, `--training.compile false`."""
 BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 SCALAR_TYPES = (bool, int, float, str)
 
@@ -131,9 +137,11 @@ def _unknown_section(name: str) -> str:
 
 
 def _unknown_key(section: str, name: str) -> str:
-    """Suggests the closest key of the section, or else the same key in another section."""
+    """Suggests flame's key for another trainer's key (`flame.config.foreign_keys`), else the
+    closest key of the section, or else the same key in another section."""
     valid = list(schema()[section])
-    suggestion = _did_you_mean(name, valid)
+    foreign = foreign_hint(f"{section}.{name}")
+    suggestion = f" ({foreign})" if foreign else _did_you_mean(name, valid)
     if not suggestion:
         elsewhere = [f"{s}.{name}" for s, keys in schema().items() if name in keys]
         if elsewhere:
@@ -142,6 +150,17 @@ def _unknown_key(section: str, name: str) -> str:
         f"unknown key '{section}.{name}'{suggestion}; "
         f"valid keys of [{section}]: {', '.join(valid)}"
     )
+
+
+def _unknown_name(section: str, name: str) -> str:
+    """The problem of `section.name`, which the schema lacks: an unknown key of a known section, a
+    key of another trainer (whose section flame may lack), or else an unknown section."""
+    if section in schema():
+        return _unknown_key(section, name)
+    foreign = foreign_hint(f"{section}.{name}")
+    if foreign:
+        return f"unknown key '{section}.{name}' ({foreign}); flame's sections: {', '.join(schema())}"
+    return _unknown_section(section)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +320,8 @@ def cross_field_problems(cfg: JobConfig) -> list[str]:
     if cfg.lr_scheduler.lr_min > cfg.optimizer.lr:
         problems.append(
             f"lr_scheduler.lr_min ({cfg.lr_scheduler.lr_min}) must be <= optimizer.lr "
-            f"({cfg.optimizer.lr})"
+            f"({cfg.optimizer.lr}): it is an absolute learning rate, not a factor of optimizer.lr "
+            f"as in fla-org/flame and torchtitan"
         )
     if cfg.data.dataset in ("json", "parquet", "text") and not cfg.data.data_files:
         problems.append(
@@ -344,6 +364,11 @@ def config_from_dict(data: dict, origin: dict[str, str] | None = None) -> JobCon
             if owners and not isinstance(table, dict):
                 under = " or ".join(f"[{s}]" for s in owners)
                 problem = f"top-level key '{name}' must be inside a section: put it under {under}"
+            elif isinstance(table, dict) and any(f"{name}.{key}" in FOREIGN_KEYS for key in table):
+                # another trainer's section ([parallelism], [compile]): flame's key for each key
+                found = {_unknown_name(name, key): origin.get(f"{name}.{key}") for key in table}
+                problems += [_with_origin(problem, where) for problem, where in found.items()]
+                continue
             else:
                 problem = _unknown_section(name)
             problems.append(_with_origin(problem, origin.get(name)))
@@ -421,7 +446,8 @@ class CommandLine:
 
 
 def parse_command_line(argv: list[str]) -> CommandLine:
-    """Split argv into --config, --print-config, --help and --section.key overrides (raw text)."""
+    """Split argv into --config (or --job.config_file), --print-config, --help and --section.key
+    overrides (raw text; a boolean key given alone is "true")."""
     cl = CommandLine()
     i = 0
     while i < len(argv):
@@ -439,31 +465,68 @@ def parse_command_line(argv: list[str]) -> CommandLine:
                 f"--help and overrides like --training.steps 100"
             )
         name, has_value, value = arg[2:].partition("=")
-        if f"--{name}" in (PRINT_FLAG, *HELP_FLAGS):
-            raise ConfigError(f"--{name} takes no value, got {arg!r}")
-        if name != CONFIG_FLAG[2:] and "." not in name:
+        flag = f"--{name}"
+        if flag in (PRINT_FLAG, *HELP_FLAGS):
+            raise ConfigError(f"{flag} takes no value, got {arg!r}")
+        if flag not in CONFIG_FLAGS and "." not in name:
             options = ["config", "print-config", "help"]
             raise ConfigError(
                 f"unknown option '{arg}'{_did_you_mean(name, options)}; overrides look like "
                 f"--section.key VALUE (e.g. --training.steps 100)"
             )
+        if flag not in CONFIG_FLAGS:
+            _check_not_negated(name)
         if not has_value:
             if i >= len(argv) or argv[i].startswith("--"):
-                raise ConfigError(f"--{name} needs a value (e.g. --{name} VALUE or --{name}=VALUE)")
-            value = argv[i]
-            i += 1
-        if name == CONFIG_FLAG[2:]:
+                value = _bare_flag_value(flag)
+            else:
+                value = argv[i]
+                i += 1
+        if flag in CONFIG_FLAGS:
             if cl.config is not None:
-                raise ConfigError(f"--config given twice: {str(cl.config)!r} and {value!r}")
+                raise ConfigError(f"--config given twice: {str(cl.config)!r} and {value!r} "
+                                  f"(--job.config_file is the same option)")
             cl.config = Path(value)
             continue
         if name in cl.overrides:
             raise ConfigError(
-                f"--{name} given twice on the command line ({cl.overrides[name]!r} and {value!r}); "
+                f"{flag} given twice on the command line ({cl.overrides[name]!r} and {value!r}); "
                 f"give each key once"
             )
         cl.overrides[name] = value
     return cl
+
+
+def _bare_flag_value(flag: str) -> str:
+    """The value of an option given without one: "true" for a boolean key. Any other is an error;
+    for a key flame lacks, the unknown-key message (with flame's key for another trainer's flag,
+    such as fla-org/flame's `--checkpoint.enable_checkpoint`)."""
+    section, _, name = flag[2:].partition(".")
+    key = schema().get(section, {}).get(name)
+    if key is not None and key.type is bool:
+        return "true"
+    if key is None and flag not in CONFIG_FLAGS:
+        raise ConfigError(_with_origin(_unknown_name(section, name), f"from {flag}"))
+    raise ConfigError(f"{flag} needs a value (e.g. {flag} VALUE or {flag}=VALUE)")
+
+
+def _check_not_negated(name: str) -> None:
+    """Refuse another tool's false flag (`--no-training.compile`, `--training.no_compile`) with
+    flame's spelling of it; a name that is not one passes."""
+    section, _, key = name.partition(".")
+    if section in schema() and key in schema()[section]:
+        return
+    for prefix in NEGATIONS:
+        for negated, rest in ((section, f"{section.removeprefix(prefix)}.{key}"),
+                              (key, f"{section}.{key.removeprefix(prefix)}")):
+            if not negated.startswith(prefix):
+                continue
+            target = FOREIGN_KEYS[rest].flame_key if rest in FOREIGN_KEYS else rest
+            target_section, _, target_name = target.partition(".")
+            found = schema().get(target_section, {}).get(target_name)
+            if found is not None and found.type is bool:
+                raise ConfigError(f"--{name}: flame turns a boolean key off with "
+                                  f"--{found.path} false (and on with --{found.path})")
 
 
 def apply_overrides(data: dict, overrides: dict[str, str], origin: dict[str, str]) -> None:
@@ -575,12 +638,16 @@ def help_text() -> str:
         "usage: python -m flame.train [--config FILE] [--print-config] [-h]",
         "                             [--section.key VALUE | --section.key=VALUE ...]",
         "",
-        "  --config FILE     the job's TOML file (default: configs/tiny.toml of the repository)",
+        "  --config FILE     the job's TOML file (default: configs/tiny.toml of the repository);",
+        "                    --job.config_file FILE is the same option",
         "  --print-config    print the resolved config as TOML and exit",
         "  -h, --help        show this reference and exit",
         "",
-        "Values are parsed by the key's type: bool true/false/1/0/yes/no; lists as a TOML array",
-        "[0.9, 0.95] or comma-separated 0.9,0.95; strings verbatim.",
+        "Values are parsed by the key's type: bool true/false/1/0/yes/no, and a bool key given",
+        "alone means true (--training.compile; --training.compile false turns it off); lists as a",
+        "TOML array [0.9, 0.95] or comma-separated 0.9,0.95; strings verbatim. A key of",
+        "fla-org/flame or torchtitan that flame names otherwise is refused with flame's name for it",
+        "(the table is in docs/config.md).",
     ]
     for section, keys in schema().items():
         lines += ["", f"[{section}]"]

@@ -29,13 +29,25 @@ FORMATS = ("hf", "fla", "rwkv")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 MODELING_SOURCE = '''"""The classes of a flame model exported with `python -m flame.export`, for
-`AutoModelForCausalLM.from_pretrained(this_folder, trust_remote_code=True)`; they live in the
-installed flame package (pip install flame)."""
+`AutoModelForCausalLM.from_pretrained(this_folder, trust_remote_code=True)`. They live in the
+package `flame` of the distribution flame-lm, which must be installed in this Python."""
 
-from flame.export.hf import FlameConfig, FlameForCausalLM
+try:  # in a try block, so that transformers leaves the import to this file and its message
+    from flame.export.hf import FlameConfig, FlameForCausalLM
+except ModuleNotFoundError as err:
+    if not (err.name or "").startswith("flame"):
+        raise
+    raise ModuleNotFoundError(
+        "this model runs the model classes of flame (the distribution flame-lm, imported as "
+        "flame): install it into this Python with `pip install -e .` in a checkout of its "
+        "source, or `pip install flame-lm` from a package index that has it; `pip install flame` "
+        "installs an unrelated package, and fla-org/flame, also imported as flame, lacks these "
+        f"classes ({err})"
+    ) from err
 
 __all__ = ["FlameConfig", "FlameForCausalLM"]
 '''
+"""The `modeling_flame.py` of an `hf` export."""
 
 
 def check_output(out: Path, fmt: str, overwrite: bool) -> None:

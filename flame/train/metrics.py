@@ -1,7 +1,9 @@
-"""Step metrics: the console log, a progress line per logged step, `metrics.jsonl`, and optionally
-wandb / TensorBoard.
+"""Step metrics: the console log, a progress line per logged step, `metrics.jsonl` (with a marker
+row at each resume; `flame.run_metrics` reads it back), its plot `loss.png`, and optionally wandb /
+TensorBoard.
 
-Only rank 0 writes. wandb and tensorboard are imported lazily, when enabled.
+Only rank 0 writes. wandb and tensorboard are imported lazily, when enabled; matplotlib when a
+plot is drawn (`flame.plot`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import sys
 from pathlib import Path
 
 import torch
+
+from flame.plot import RUN_PLOT, PlotError, PlotLibraryMissing, write_run_plot
+from flame.run_metrics import FILE_NAME, RESUME_KEY
 
 logger = logging.getLogger("flame.train")
 
@@ -128,15 +133,17 @@ class MetricsLogger:
     def __init__(self, dump_folder: str, cfg, *, enabled: bool, run_name: str, config_dict: dict,
                  wandb_run_id: str | None = None):
         self.enabled = enabled
-        self.path = Path(dump_folder) / "metrics.jsonl"
+        self.path = Path(dump_folder) / FILE_NAME
         self.wandb_run = None
         self.tensorboard = None
+        self.plotting = True
+        """False once a plot found no matplotlib: said once, then no more tries."""
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.enable_wandb:
             self.wandb_run = _start_wandb(cfg.wandb_project, run_name, dump_folder, config_dict,
-                                          wandb_run_id)
+                                          wandb_run_id, cfg.wandb_init_timeout_seconds)
         if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -151,8 +158,7 @@ class MetricsLogger:
             return
         if console:
             logger.info(progress_line(record))
-        with open(self.path, "a", encoding="utf-8") as f:  # appended line by line: a killed
-            f.write(json.dumps(record) + "\n")                # run loses nothing it logged
+        self._append(record)
         step = record["step"]
         numbers = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -162,9 +168,33 @@ class MetricsLogger:
             for key, value in numbers.items():
                 self.tensorboard.add_scalar(key, value, step)
 
+    def mark_resume(self, step: int) -> None:
+        """Write the row that says the run continues from the checkpoint of `step`: the steps after
+        it that metrics.jsonl already holds are logged again."""
+        if self.enabled:
+            self._append({"step": step, RESUME_KEY: step})
+
+    def _append(self, row: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:  # appended line by line: a killed
+            f.write(json.dumps(row) + "\n")                   # run loses nothing it logged
+
+    def write_plot(self) -> None:
+        """Draw `<dump_folder>/loss.png` from metrics.jsonl. Without matplotlib the log says so once
+        and the run writes no plot; a plot that fails is a warning, never the end of a run."""
+        if not self.enabled or not self.plotting or not self.path.is_file():
+            return
+        try:
+            write_run_plot(self.path.parent)
+        except PlotLibraryMissing as err:
+            logger.info("plot: %s; the run writes no %s", err, RUN_PLOT)
+            self.plotting = False
+        except (PlotError, OSError, ValueError) as err:
+            logger.warning("plot: %s not written: %s", self.path.parent / RUN_PLOT, err)
+
     def close(self) -> None:
         if not self.enabled:
             return
+        self.write_plot()
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
@@ -173,26 +203,33 @@ class MetricsLogger:
             self.tensorboard = None
 
 
-def _start_wandb(project: str, name: str, dump_folder: str, config_dict: dict, run_id: str | None):
-    """Start (or resume, with `run_id`) a wandb run; offline when there is no API key."""
+def _start_wandb(project: str, name: str, dump_folder: str, config_dict: dict, run_id: str | None,
+                 init_timeout_s: float):
+    """Start (or resume, with `run_id`) a wandb run. With an API key (or WANDB_MODE set) online,
+    waiting at most `init_timeout_s` for the server; without a key, or when the online start fails,
+    offline: the mode goes to `wandb.init` itself, which takes it even after a failed start in the
+    same process (an environment variable set then is ignored), and the run trains on."""
     import wandb
 
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or _wandb_logged_in()
-    if not has_key and os.environ.get("WANDB_MODE") is None:
-        os.environ["WANDB_MODE"] = "offline"
-        logger.info(
-            "wandb: no API key found, logging offline to %s/wandb; "
-            "sync later with `wandb sync %s/wandb/offline-run-*`", dump_folder, dump_folder,
-        )
     kwargs = dict(project=project, name=name, dir=dump_folder, config=config_dict)
     if run_id:
         kwargs.update(id=run_id, resume="allow")
-    try:
-        return wandb.init(**kwargs)
-    except Exception as err:  # network failure at init: fall back to offline, keep training
-        logger.warning("wandb online init failed (%s); logging offline instead", err)
-        os.environ["WANDB_MODE"] = "offline"
-        return wandb.init(**kwargs)
+    run = None
+    if os.environ.get("WANDB_API_KEY") or _wandb_logged_in() or os.environ.get("WANDB_MODE"):
+        try:
+            run = wandb.init(**kwargs, settings=wandb.Settings(init_timeout=init_timeout_s))
+        except Exception as err:  # wandb raises several types for an unreachable server
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            logger.warning("wandb: the online start failed (%s; metrics.wandb_init_timeout_seconds "
+                           "= %g); logging offline instead", first_line, init_timeout_s)
+    else:
+        logger.info("wandb: no API key found (WANDB_API_KEY or `wandb login`)")
+    if run is None:
+        run = wandb.init(**kwargs, mode="offline")
+    if run.settings.mode in ("offline", "dryrun"):
+        logger.info("wandb: logging offline to %s; upload it later with `wandb sync %s`",
+                    run.settings.sync_dir, run.settings.sync_dir)
+    return run
 
 
 def _wandb_logged_in() -> bool:

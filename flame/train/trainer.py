@@ -170,6 +170,8 @@ class Trainer(Stateful):
             config_dict=asdict(cfg), wandb_run_id=self.state.wandb_run_id or None,
         )
         self.state.wandb_run_id = self.broadcast_object(self.metrics.wandb_run_id or "")
+        if self.state.step > 0:
+            self.metrics.mark_resume(self.state.step)
         self.step_log = StepLog(self.metrics, cfg, self.parallel.world_size, self.device,
                                 self.model.num_flops_per_token(training.seq_len))
 
@@ -382,6 +384,7 @@ class Trainer(Stateful):
         self.batches_consumed = consumed
         self.state.nan_skips = skips
         self.state.consecutive_nan_skips = 0
+        self.metrics.mark_resume(step)
         logger.warning("%s; recovered: reloaded step %d, training continues after the data that "
                        "caused it (micro-batch %d)", message, step, consumed)
 
@@ -453,6 +456,7 @@ class Trainer(Stateful):
         """Save the run at this step; `required`: a failure stops the run whatever
         checkpoint.on_save_error says."""
         self.checkpointer.save(self.state.step, self.checkpoint_state(), required=required)
+        self.metrics.write_plot()
 
     def checkpoint_state(self, model_only: bool = False) -> dict[str, Any]:
         """The objects a checkpoint holds; DCP reads or fills them in place."""

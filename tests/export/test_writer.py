@@ -9,8 +9,11 @@ import json
 import os
 import shutil
 import stat
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 from flame.config import config_from_dict, to_toml
 from flame.export import writer
@@ -93,3 +96,22 @@ def test_a_config_that_does_not_fit_the_tensors_is_refused(runs, tmp_path, capsy
     assert "embeddings.weight" in err and "(256, 64)" in err and "(256, 128)" in err, err
     assert str(dump / CONFIG_FILE) in err
     assert not (tmp_path / "new").exists() and leftovers(tmp_path) == []
+
+
+def test_modeling_file_names_what_to_install_when_flame_is_missing(tmp_path, monkeypatch):
+    """The hf folder's modeling_flame.py, run where `flame.export.hf` cannot be imported (flame not
+    installed, or fla-org/flame in its place), says how to install this project; transformers'
+    own check of the file's imports does not ask for `pip install flame` first."""
+    get_imports = pytest.importorskip("transformers.dynamic_module_utils").get_imports
+    path = tmp_path / "modeling_flame.py"
+    path.write_text(writer.MODELING_SOURCE)
+    assert "flame" not in get_imports(path)
+    namespace = {}
+    exec(compile(writer.MODELING_SOURCE, str(path), "exec"), namespace)  # flame installed: it loads
+    assert namespace["FlameForCausalLM"].__module__ == "flame.export.hf"
+    monkeypatch.setitem(sys.modules, "flame.export.hf", None)  # as if flame were not installed
+    with pytest.raises(ModuleNotFoundError) as info:
+        exec(compile(writer.MODELING_SOURCE, str(path), "exec"), {})
+    message = str(info.value)
+    assert "pip install -e ." in message and "pip install flame-lm" in message
+    assert "`pip install flame` installs an unrelated package" in message

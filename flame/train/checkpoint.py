@@ -126,10 +126,6 @@ class CheckpointManager:
         self.run_config = run_config
         self.folder = Path(dump_folder) / cfg.folder
         self.async_mode = cfg.async_mode
-        if self.async_mode not in ("disabled", "async"):
-            raise ValueError(
-                f"checkpoint.async_mode must be 'disabled' or 'async', got {self.async_mode!r}"
-            )
         self.clock = clock
         self.last_save_began = clock()
         self.pending: tuple[int, Future, bool] | None = None

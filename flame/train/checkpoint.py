@@ -1,17 +1,22 @@
 """Sharded, resumable checkpoints with torch.distributed.checkpoint (DCP): save, load, prune.
 
-Layout (flame.weights.layout): `<dump_folder>/<checkpoint.folder>/step-N/`, the DCP shards, the
-run's `config.toml` (the config this checkpoint was trained with, which export, generate and eval
+Layout (flame.weights.layout): `<dump_folder>/<checkpoint.folder>/step-N/` holds DCP's files
+(`.metadata` and one `__<rank>_<i>.distcp` per writer), the run's `config.toml` (the config this checkpoint was trained with, which export, generate and eval
 read) and `COMPLETE`, a marker that rank 0 writes only after every rank's shards and DCP's metadata
 are on disk. A folder without the marker (a run killed mid-save) is ignored when resuming and removed
 when that step is saved again; a save that fails (disk full, unwritable) removes its folder itself
 and leaves the older checkpoints as they were (keep_latest_k prunes only after a save that
 succeeded). A checkpoint that cannot be read is a `flame.weights.WeightsError`.
 
-What a checkpoint holds (the `state` dict given to `save` / `load`):
-- "model", "optimizer": `Stateful`s built on DCP's `get_state_dict` (FSDP-sharded, FQN-keyed);
-- "train_state": step, tokens, NaN counters, LR-scheduler position, wandb run id, DP size;
-- "rank_<r>": one rank's data-loader position and RNG states (pickled bytes), per rank.
+What a checkpoint holds (the `state` dict given to `save` / `load`; DCP keys join the levels with
+dots, e.g. `trainer.train_state.step`):
+- "model": the model's weights (`ModelState`, DCP's `get_model_state_dict`: FQN-keyed,
+  FSDP-sharded);
+- "optimizer": AdamW's state and param groups (`OptimizerState`, `get_optimizer_state_dict`,
+  keyed by the parameters' FQNs);
+- "trainer": the trainer's own state dict (`Trainer.state_dict`): "train_state" (step, tokens,
+  NaN counters, wandb run id, DP size), "lr_scheduler" (LambdaLR's state dict) and one
+  "rank_<r>" per rank (that rank's data-loader position and RNG states, pickled bytes).
 """
 
 from __future__ import annotations
@@ -126,10 +131,6 @@ class CheckpointManager:
         self.run_config = run_config
         self.folder = Path(dump_folder) / cfg.folder
         self.async_mode = cfg.async_mode
-        if self.async_mode not in ("disabled", "async"):
-            raise ValueError(
-                f"checkpoint.async_mode must be 'disabled' or 'async', got {self.async_mode!r}"
-            )
         self.clock = clock
         self.last_save_began = clock()
         self.pending: tuple[int, Future, bool] | None = None

@@ -17,8 +17,6 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-DECAY_TYPES = ("cosine", "linear", "wsd")
-
 logger = logging.getLogger("flame.train")
 
 
@@ -32,9 +30,8 @@ def lr_multiplier(
     decay_ratio: float,
     min_ratio: float,
 ) -> float:
-    """LR multiplier for the update after `step` completed updates."""
-    if decay_type not in DECAY_TYPES:
-        raise ValueError(f"lr_scheduler.decay_type must be one of {DECAY_TYPES}, got {decay_type!r}")
+    """LR multiplier for the update after `step` completed updates. `decay_type`: "cosine",
+    "linear" or "wsd" (lr_scheduler.decay_type, whose choices the config loader checks)."""
     n = step + 1  # 1-based index of the update this LR is used for
     warmup_steps = min(warmup_steps, total_steps)
     if n <= warmup_steps:

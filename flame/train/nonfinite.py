@@ -1,19 +1,18 @@
 """Steps whose loss or gradient norm is not finite: skipped on every rank, located, and after too
 many in a row either the run stops or the last good checkpoint is reloaded.
 
-The step pipeline already skipped the update (`flame.train.step_pipeline`). `NonFiniteGuard.check`
-counts the skip, names the first parameter whose gradient is not finite and, when the loss itself
-is not finite, the module where the forward turns non-finite (one extra forward, on such steps
-only), and logs the step's data position. After `training.max_consecutive_nan_steps` skips in a
-row it raises `NonFiniteTrainingError`, or with `training.nan_recovery` asks the trainer to reload
-the last complete checkpoint while keeping the data position, so that the bad window is skipped:
-the outcome is then RELOADED, and the trainer's state is that checkpoint's. Which of the two, and
-the stop's message, are the trainer's (`Trainer.stop_or_reload`): it owns the checkpoints.
+The step pipeline already skipped the update (`flame.train.step_pipeline`) and the trainer counted
+the skip (`TrainState.count`). `NonFiniteGuard.check` names the first parameter whose gradient is
+not finite and, when the loss itself is not finite, the module where the forward turns non-finite
+(one extra forward, on such steps only), logs the step's data position, and returns the step's
+`Outcome`: SKIPPED, or after `training.max_consecutive_nan_steps` skips in a row STOPPED, or
+RELOADED with `training.nan_recovery`. Besides the culprits' names in the step's result it
+changes nothing: the counters, the stop and the reload are the trainer's (`Trainer.read_step`),
+which owns the checkpoints.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections.abc import Callable
@@ -22,15 +21,9 @@ import torch
 import torch.distributed as dist
 
 from flame.ops.utils.checks import value_checks_off
-from flame.train.step_pipeline import LaunchedStep, StepResult
+from flame.train.step_pipeline import LaunchedStep, Outcome, StepResult
 
 logger = logging.getLogger("flame.train")
-
-
-class Outcome(enum.Enum):
-    OK = "ok"
-    SKIPPED = "skipped"
-    RELOADED = "reloaded"
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -74,29 +67,24 @@ def first_nonfinite_module(model: torch.nn.Module, run_forward) -> str | None:
 
 
 class NonFiniteGuard:
-    """Counts, locates and reports non-finite steps (`training`: the config's [training] section;
-    `forward(batch)`: the model's plain forward of a micro-batch; `stop_or_reload(message)`: at the
-    end of a streak, raise NonFiniteTrainingError or reload the last complete checkpoint, keeping
-    the data position)."""
+    """Locates and reports non-finite steps and tells when a streak of them ends the run or
+    reloads (`training`: the config's [training] section; `forward(batch)`: the model's plain
+    forward of a micro-batch)."""
 
-    def __init__(self, training, model, parallel, forward: Callable, stop_or_reload: Callable[[str], None]):
+    def __init__(self, training, model, parallel, forward: Callable):
         self.max_in_a_row = training.max_consecutive_nan_steps
+        self.recover = training.nan_recovery
         self.gradient_accumulation_steps = training.gradient_accumulation_steps
         self.model = model
         self.parallel = parallel
         self.forward = forward
-        self.stop_or_reload = stop_or_reload
-        self.reloads = 0
-        """Checkpoint reloads after non-finite streaks."""
 
     def check(self, result: StepResult, step: LaunchedStep, state, batches_consumed: int) -> Outcome:
-        """Count step `state.step` (already advanced), whose `result` is read: OK, or SKIPPED
-        (logged, `result` names the culprits), or RELOADED."""
+        """The outcome of step `state.step`, whose `result` is read and counted in `state`: OK, or
+        SKIPPED (logged, `result` names the culprits), or at the end of a streak STOPPED or
+        RELOADED (with training.nan_recovery)."""
         if not result.skipped:
-            state.consecutive_nan_skips = 0
             return Outcome.OK
-        state.nan_skips += 1
-        state.consecutive_nan_skips += 1
         result.first_nonfinite_param = step.norms.first_nonfinite()
         if not math.isfinite(result.loss):
             result.first_nonfinite_module = self.locate(step.micro_batches)
@@ -113,14 +101,12 @@ class NonFiniteGuard:
         )
         if state.consecutive_nan_skips < self.max_in_a_row:
             return Outcome.SKIPPED
-        message = (
-            f"{state.consecutive_nan_skips} consecutive steps had a non-finite loss or "
-            f"gradient (training.max_consecutive_nan_steps = {self.max_in_a_row}), at step {state.step}"
-        )
-        self.stop_or_reload(message)
-        self.reloads += 1
-        result.reloaded = True
-        return Outcome.RELOADED
+        return Outcome.RELOADED if self.recover else Outcome.STOPPED
+
+    def streak(self, state) -> str:
+        """The end of a streak, in words, for the stop's error and the reload's warning."""
+        return (f"{state.consecutive_nan_skips} consecutive steps had a non-finite loss or "
+                f"gradient (training.max_consecutive_nan_steps = {self.max_in_a_row}), at step {state.step}")
 
     def locate(self, micro_batches: list[dict[str, torch.Tensor]]) -> str | None:
         """After a non-finite loss (a global decision, so every rank is here): run the forward of

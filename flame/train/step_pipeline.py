@@ -20,6 +20,7 @@ depends on whether step N was skipped.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -33,20 +34,56 @@ from flame.train.loss import count_valid_tokens
 from flame.train.readback import DeviceClock, DeviceScalars
 
 
+class Outcome(enum.Enum):
+    """What a read step is to the run: the pipeline reads OK or SKIPPED (`StepPipeline.resolve`);
+    the non-finite guard tells whether a skip ends a streak (`flame.train.nonfinite`)."""
+
+    OK = "ok"
+    """Finite: the update is applied and the step's tokens count."""
+    SKIPPED = "skipped"
+    """The loss or the gradient norm is not finite: the update was skipped on every rank."""
+    STOPPED = "stopped"
+    """Skipped, and the last of `training.max_consecutive_nan_steps` in a row: the run stops."""
+    RELOADED = "reloaded"
+    """Skipped, and the last of such a streak with `training.nan_recovery`: the trainer reloads
+    the last good checkpoint and keeps the data position; its state is that checkpoint's."""
+
+
 @dataclass
 class StepResult:
     loss: float
     grad_norm: float
     lr: float
     valid_tokens: int
-    skipped: bool
+    outcome: Outcome
     seconds: float
     """Device time from the previous step's numbers to this step's (`flame.train.readback`)."""
     first_nonfinite_param: str | None = None
     first_nonfinite_module: str | None = None  # set when the loss itself is non-finite
-    reloaded: bool = False
-    """This step ended a non-finite streak by reloading the last good checkpoint
-    (training.nan_recovery): the trainer's state is that checkpoint's, not this step's."""
+
+    @property
+    def skipped(self) -> bool:
+        """The step's update was skipped: its loss or gradient norm is not finite."""
+        return self.outcome is not Outcome.OK
+
+
+@dataclass
+class StepEnd:
+    """What follows a step once it is done, decided while it runs, the same on every rank
+    (`Trainer.plan_step_end`)."""
+
+    validate: bool
+    save: bool
+    stop: bool
+    """A stop signal reached some rank: save at this step and exit."""
+    last: bool
+    signal_name: str = ""
+
+    @property
+    def pause(self) -> bool:
+        """The loop reads this step's numbers before it queues the next step's update: the
+        validation, the checkpoint and the stop must see exactly this step's weights."""
+        return self.validate or self.save or self.stop or self.last
 
 
 @dataclass
@@ -73,8 +110,8 @@ class LaunchedStep:
     update_queued: bool
     """The update is queued behind the device-side finite check; otherwise `resolve` applies it
     after reading the numbers."""
-    end: object | None = None
-    """What happens once the step is done (the trainer's `StepEnd`), decided while it runs."""
+    end: StepEnd | None = None
+    """What follows once the step is done, decided while it runs."""
 
 
 class StepPipeline:
@@ -195,7 +232,8 @@ class StepPipeline:
             self.lr_scheduler.step()
         if not step.update_queued:
             self.zero_grad()
-        return StepResult(loss, norm, step.lr, step.valid_tokens, skipped, seconds)
+        return StepResult(loss, norm, step.lr, step.valid_tokens,
+                          Outcome.SKIPPED if skipped else Outcome.OK, seconds)
 
     def restart_clock(self) -> None:
         """Time the next resolved step from here (a run's first step, not its setup)."""

@@ -45,7 +45,7 @@ from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.memory_estimate import ParamCounts
 from flame.train.metrics import MetricsLogger, StepLog, setup_logging
 from flame.train.mixed_precision import ComputeWeights
-from flame.train.nonfinite import NonFiniteGuard, NonFiniteTrainingError, Outcome
+from flame.train.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from flame.train.optimizer import build_optimizer
 from flame.train.parallel import (ParallelState, autocast, broadcast_replicas, collective_failure,
                                   compute_weights_dtype, cuda_graphs_enabled, fsdp_dtypes, parallelize,
@@ -54,7 +54,7 @@ from flame.train.parallel import (ParallelState, autocast, broadcast_replicas, c
 from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.profiling import StepProfiler
 from flame.train.run_lock import RunLock, lock_dump_folder
-from flame.train.step_pipeline import LaunchedStep, StepPipeline, StepResult
+from flame.train.step_pipeline import LaunchedStep, Outcome, StepEnd, StepPipeline, StepResult
 from flame.weights import is_foreign_weights
 
 logger = logging.getLogger("flame.train")
@@ -75,23 +75,15 @@ class TrainState:
     wandb_run_id: str = ""
     dp_world_size: int = 1
 
-
-@dataclass
-class StepEnd:
-    """What follows a step once it is done, decided while it runs, the same on every rank."""
-
-    validate: bool
-    save: bool
-    stop: bool
-    """A stop signal reached some rank: save at this step and exit."""
-    last: bool
-    signal_name: str = ""
-
-    @property
-    def pause(self) -> bool:
-        """The loop reads this step's numbers before it queues the next step's update: the
-        validation, the checkpoint and the stop must see exactly this step's weights."""
-        return self.validate or self.save or self.stop or self.last
+    def count(self, result: StepResult) -> None:
+        """Count a read step: its tokens when it was applied, its skip when it was not."""
+        self.step += 1
+        if result.skipped:
+            self.nan_skips += 1
+            self.consecutive_nan_skips += 1
+        else:
+            self.tokens += result.valid_tokens
+            self.consecutive_nan_skips = 0
 
 
 class Trainer(Stateful):
@@ -153,8 +145,7 @@ class Trainer(Stateful):
             fsdp_schedule=fsdp_schedule, compute_weights=compute_weights, autocast=autocast(cfg, self.parallel),
             cuda_graphs=self.cuda_graphs, max_norm=training.max_norm,
             fused_update=cfg.optimizer.implementation == "fused")
-        self.guard = NonFiniteGuard(training, self.model, self.parallel, self.pipeline.forward,
-                                    self.stop_or_reload)
+        self.guard = NonFiniteGuard(training, self.model, self.parallel, self.pipeline.forward)
 
         # 5. checkpoints (and a resume when there is one), preemption, metrics; every checkpoint
         # holds the config it was trained with
@@ -252,19 +243,24 @@ class Trainer(Stateful):
         """The loop to `last_step`: yields each step's result once the step is read, logged,
         validated and saved. Step N+1's forward and backward are queued before step N is read."""
         pending: LaunchedStep | None = None
-        while self.state.step + (pending is not None) < last_step:
+        while self.steps_launched(pending) < last_step:
             micro_batches = self.next_micro_batches()
             gradients = self.pipeline.gradients(micro_batches)
             if pending is not None:
                 result = self.end_step(pending)  # waits for step N's two numbers only
                 yield result
-                if result.reloaded:  # the gradients just queued are of the weights before it
+                if result.outcome is Outcome.RELOADED:  # the gradients just queued are of the old weights
                     gradients = self.pipeline.gradients(micro_batches)
             step = self.pipeline.launch(gradients)
             step.end = self.plan_step_end(self.state.step + 1, last_step)
             pending = step if step.update_queued and not step.end.pause else None
             if pending is None:
                 yield self.end_step(step)
+
+    def steps_launched(self, pending: LaunchedStep | None) -> int:
+        """Steps read (the state's count, which a reload sets back) and the one launched but not
+        read yet, if any."""
+        return self.state.step + (pending is not None)
 
     def end_step(self, step: LaunchedStep) -> StepResult:
         """Read a launched step and finish it as its `StepEnd` says."""
@@ -303,12 +299,17 @@ class Trainer(Stateful):
         return self.read_step(self.pipeline.launch(self.pipeline.gradients(micro_batches)))
 
     def read_step(self, step: LaunchedStep) -> StepResult:
-        """Read a launched step's numbers (`StepPipeline.resolve`) and count it: the step counter,
-        the tokens, and a non-finite step's skip, diagnosis and maybe reload (`NonFiniteGuard`)."""
+        """Read a launched step's numbers (`StepPipeline.resolve`), count it (`TrainState.count`)
+        and act on its `Outcome` (`NonFiniteGuard.check`): a streak of non-finite steps stops the
+        run (STOPPED) or reloads the last good checkpoint (RELOADED)."""
         result = self.pipeline.resolve(step)
-        self.state.step += 1
-        if self.guard.check(result, step, self.state, self.batches_consumed) is Outcome.OK:
-            self.state.tokens += result.valid_tokens
+        self.state.count(result)
+        result.outcome = self.guard.check(result, step, self.state, self.batches_consumed)
+        if result.outcome is Outcome.STOPPED:
+            raise NonFiniteTrainingError(
+                f"{self.guard.streak(self.state)}. Stopping; {self.last_good_checkpoint()}.")
+        if result.outcome is Outcome.RELOADED:
+            self.reload_after_streak()
         return result
 
     def plan_step_end(self, step: int, last_step: int | None = None) -> StepEnd:
@@ -328,7 +329,7 @@ class Trainer(Stateful):
         self.step_log.add(step, result, self.state)
         self.boundary.step_done(step)
         self.profiler.step_done(step)
-        if result.reloaded:  # the state is the reloaded checkpoint's: nothing more of this step
+        if result.outcome is Outcome.RELOADED:  # the state is the checkpoint's: nothing more of this step
             return
         end = end if end is not None else self.plan_step_end(step)
         fault_point("boundary", step)
@@ -357,23 +358,24 @@ class Trainer(Stateful):
 
     # ---- non-finite streaks --------------------------------------------------------------
 
-    def stop_or_reload(self, message: str) -> None:
-        """End a streak of non-finite steps: raise NonFiniteTrainingError, or with
-        training.nan_recovery reload the last good checkpoint but keep the data position, so that
-        the bad window is skipped."""
+    def last_good_checkpoint(self) -> str:
+        """Where the run's last good checkpoint is, for the error that stops a non-finite streak."""
         self.checkpointer.wait()
         complete = self.checkpointer.complete_steps()
-        if not self.cfg.training.nan_recovery:
-            if not complete:
-                where = (f"no checkpoint was written to {self.checkpointer.folder} (checkpoint.enable "
-                         f"= {str(self.cfg.checkpoint.enable).lower()})")
-            else:
-                where = (f"the last good checkpoint, {self.checkpointer.step_dir(complete[-1])}, is intact "
-                         f"(set training.nan_recovery = true to reload it and skip this data)")
-            raise NonFiniteTrainingError(f"{message}. Stopping; {where}.")
+        if not complete:
+            return (f"no checkpoint was written to {self.checkpointer.folder} (checkpoint.enable "
+                    f"= {str(self.cfg.checkpoint.enable).lower()})")
+        return (f"the last good checkpoint, {self.checkpointer.step_dir(complete[-1])}, is intact "
+                f"(set training.nan_recovery = true to reload it and skip this data)")
+
+    def reload_after_streak(self) -> None:
+        """End a streak of non-finite steps with training.nan_recovery: reload the last good
+        checkpoint but keep the data position, so that the bad window is skipped."""
+        streak = self.guard.streak(self.state)
+        self.checkpointer.wait()
         step = self.checkpointer.resume_step()
         if step is None:
-            raise NonFiniteTrainingError(f"{message}; no checkpoint to recover from")
+            raise NonFiniteTrainingError(f"{streak}; no checkpoint to recover from")
         skips = self.state.nan_skips
         data_state = self.dataloader.state_dict() if hasattr(self.dataloader, "state_dict") else None
         consumed = self.batches_consumed
@@ -386,7 +388,7 @@ class Trainer(Stateful):
         self.state.consecutive_nan_skips = 0
         self.metrics.mark_resume(step)
         logger.warning("%s; recovered: reloaded step %d, training continues after the data that "
-                       "caused it (micro-batch %d)", message, step, consumed)
+                       "caused it (micro-batch %d)", streak, step, consumed)
 
     # ---- validation and logging ----------------------------------------------------------
 

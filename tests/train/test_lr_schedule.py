@@ -38,12 +38,6 @@ def test_wsd_is_stable_then_decays_over_the_last_ratio():
     assert m[16:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
 
 
-def test_unknown_decay_type_is_named():
-    with pytest.raises(ValueError, match="decay_type"):
-        lr_multiplier(0, warmup_steps=1, total_steps=2, decay_type="exp", decay_ratio=0.1,
-                      min_ratio=0.0)
-
-
 def test_scheduler_keeps_group_multipliers_and_lr_min_is_absolute():
     p1, p2 = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([{"params": [p1], "lr": 1e-3}, {"params": [p2], "lr": 2e-3}], lr=1e-3)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from flame.train.step_pipeline import Outcome
 from flame.train.trainer import NonFiniteTrainingError, Trainer
 from tests.train.helpers import params, random_batches, split_rows, tiny_config
 
@@ -57,7 +58,7 @@ def test_nan_in_the_batch_skips_the_step(trainer):
     result = trainer.train_step(batches(1))
     hook.remove()
 
-    assert result.skipped and math.isnan(result.loss)
+    assert result.outcome is Outcome.SKIPPED and result.skipped and math.isnan(result.loss)
     assert result.first_nonfinite_param is not None
     assert_same(params(trainer.model), before_params)
     assert_same(optimizer_state(trainer), before_opt)
@@ -67,7 +68,7 @@ def test_nan_in_the_batch_skips_the_step(trainer):
 
     # training continues, and the streak counter resets
     result = trainer.train_step(batches(2))
-    assert not result.skipped and math.isfinite(result.loss)
+    assert result.outcome is Outcome.OK and not result.skipped and math.isfinite(result.loss)
     assert trainer.lr_scheduler.last_epoch == lr_epoch + 1
     assert (trainer.state.nan_skips, trainer.state.consecutive_nan_skips) == (1, 0)
     assert trainer.state.step == 3
@@ -108,8 +109,9 @@ def test_nan_recovery_reloads_the_last_good_checkpoint_and_skips_the_data(tmp_pa
     good = params(trainer.model)
     trainer.train_step(trainer.next_micro_batches())  # step 3: fine, not checkpointed
     hook = trainer.model.embeddings.register_forward_hook(lambda m, i, out: out * math.nan)
-    trainer.train_step(trainer.next_micro_batches())  # step 4: skipped
-    trainer.train_step(trainer.next_micro_batches())  # step 5: skipped, second in a row
+    assert trainer.train_step(trainer.next_micro_batches()).outcome is Outcome.SKIPPED  # step 4
+    # step 5: skipped, the second in a row
+    assert trainer.train_step(trainer.next_micro_batches()).outcome is Outcome.RELOADED
     hook.remove()
     assert trainer.state.step == 2  # back at the checkpoint ...
     assert_same(params(trainer.model), good)

@@ -71,11 +71,6 @@ def test_decay_bias_moves_twice_as_fast():
     assert torch.allclose(model.layers[0].x_r, torch.full((8,), -1e-2))
 
 
-def test_unsupported_optimizer_is_named():
-    with pytest.raises(ValueError, match="optimizer.name"):
-        build_optimizer(Toy(), Optimizer(name="SGD"))
-
-
 def test_decay_embeddings_puts_the_embedding_in_the_decay_group():
     default = split_param_groups(Toy())
     assert "embeddings.weight" in names(default, "no_decay")

@@ -2,14 +2,14 @@
 place for model calls and refreshed from the fp32 weights, and gradients summed in fp32."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
-import flame.train.trainer as trainer_module
 from flame.train.accumulation import add_gradients
-from flame.train.mixed_precision import ComputeWeights
+from flame.train.mixed_precision import ComputeWeights, Precision
 from flame.train.trainer import Trainer
 from tests.train.helpers import random_batches, split_rows, tiny_config
 
@@ -90,9 +90,9 @@ def test_trainer_runs_on_compute_copies_and_sums_their_gradients_in_fp32(tmp_pat
     """With compute copies on (as on one GPU; here bf16 under CPU autocast), a step's fp32 gradient
     buffers hold the fp32 sum of the micro-batches' gradients of the bf16 copies, the optimizer
     updates the fp32 parameters, and the next step's model calls see the updated weights."""
-    monkeypatch.setattr(trainer_module, "compute_weights_dtype", lambda cfg, state: torch.bfloat16)
-    monkeypatch.setattr(trainer_module, "autocast",
-                        lambda cfg, state: (lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
+    one_gpu_on_cpu = Precision(torch.device("cpu"), param=torch.float32, reduce=torch.float32,
+                               compute_weights=torch.bfloat16, autocast=torch.bfloat16)
+    monkeypatch.setattr(Precision, "resolve", classmethod(lambda cls, training, device, fsdp: one_gpu_on_cpu))
     cfg = tiny_config(tmp_path / "run", training={"batch_size": 2, "gradient_accumulation_steps": 2,
                                                    "max_norm": 0.0})
     trainer = Trainer(cfg, dataloader=())
@@ -140,7 +140,9 @@ def test_compute_copies_train_like_autocast_alone_and_like_fp32_on_the_gpu(tmp_p
 
     reference = gpu_trace(tmp_path, "eager-fp32", "rwkv7", compile=False, mixed_precision_param="float32")
     copies = gpu_trace(tmp_path, "copies", "rwkv7", compile=True, activation_checkpoint="elementwise")
-    monkeypatch.setattr(trainer_module, "compute_weights_dtype", lambda cfg, state: None)
+    resolve = Precision.resolve
+    monkeypatch.setattr(Precision, "resolve", classmethod(
+        lambda cls, *args, **kwargs: dataclasses.replace(resolve(*args, **kwargs), compute_weights=None)))
     autocast_alone = gpu_trace(tmp_path, "autocast", "rwkv7", compile=True, activation_checkpoint="elementwise")
     assert_same_steps(copies, reference, GPU_TOLERANCES, MIN_FALL)
     assert_same_steps(autocast_alone, reference, GPU_TOLERANCES, MIN_FALL)

@@ -1,5 +1,5 @@
 """GPU memory per rank of a training step, estimated before the model is built: the numbers that
-choose replicas or FSDP and, under FSDP, held or freed weights (`flame.train.parallel`).
+choose replicas or FSDP and, under FSDP, held or freed weights (`flame.train.data_parallel_plan`).
 
 Each total is the step's peak on one rank, in bytes, from the parameter counts and the config
 (P parameters; S ranks that FSDP shards over; w, r: the bytes of an element in

@@ -8,7 +8,7 @@ replicas' gradient all-reduce (`reduce`), the compute copies (`compute_weights`)
 calls' autocast context (`autocast`). On CPUs everything is fp32 (gloo, CI: the exact reference).
 
 Under FSDP, its MixedPrecisionPolicy gathers every parameter in the compute dtype. Without FSDP
-(`flame.train.parallel`) the model computes under `torch.autocast`, which
+(one rank, or replicas) the model computes under `torch.autocast`, which
 casts each fp32 weight to the compute dtype inside every micro-batch's forward, and each weight
 gradient back to fp32 in its backward. `ComputeWeights` casts the matrices once per step instead:
 

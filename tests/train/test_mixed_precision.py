@@ -3,11 +3,13 @@ place for model calls and refreshed from the fp32 weights, and gradients summed 
 
 import copy
 import dataclasses
+from contextlib import nullcontext
 
 import pytest
 import torch
 from torch import nn
 
+from flame.config import Training
 from flame.train.accumulation import add_gradients
 from flame.train.mixed_precision import ComputeWeights, Precision
 from flame.train.trainer import Trainer
@@ -22,6 +24,27 @@ class Tied(nn.Module):
         self.head = nn.Linear(4, 10, bias=False)
         self.head.weight = self.embedding.weight
         self.mu = nn.Parameter(torch.randn(4))
+
+
+@pytest.mark.parametrize("device, fsdp, param, reduce, want", [
+    ("cuda", False, "bfloat16", "float32", (torch.bfloat16, torch.float32, torch.bfloat16)),  # one GPU, replicas
+    ("cuda", True, "bfloat16", "bfloat16", (torch.bfloat16, torch.bfloat16, None)),  # FSDP casts itself
+    ("cuda", False, "float32", "bfloat16", (torch.float32, torch.bfloat16, None)),  # nothing to cast
+    ("cpu", False, "bfloat16", "bfloat16", (torch.float32, torch.float32, None)),  # CPUs: fp32 throughout
+])
+def test_precision_follows_the_config_the_device_and_the_data_parallel_kind(device, fsdp, param, reduce, want):
+    training = Training(mixed_precision_param=param, mixed_precision_reduce=reduce)
+    precision = Precision.resolve(training, torch.device(device), fsdp=fsdp)
+    assert (precision.param, precision.reduce, precision.compute_weights) == want
+    assert precision.autocast == precision.compute_weights
+
+
+def test_the_autocast_context_is_autocast_to_its_dtype_or_nothing():
+    cpu = torch.device("cpu")
+    assert isinstance(Precision(cpu, torch.float32, torch.float32, None, None).autocast_context(), nullcontext)
+    context = Precision(cpu, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16).autocast_context()
+    with context:
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
 def test_copies_replace_the_matrices_inside_active_only():

@@ -16,8 +16,8 @@ ParallelDims, the replica broadcast, collective timeouts and failures.
   gathers bf16 compute copies (`flame.train.fsdp`). One rank is the replicated kind with nothing
   to reduce.
 - torchtitan's ParallelDims builds the mesh: data_parallel_shard_degree > 1 is FSDP, adding
-  data_parallel_replicate_degree gives HSDP; a shard degree of 1 replicates. `flame.train.parallelize`
-  applies activation checkpointing, compile and FSDP to the model over it.
+  data_parallel_replicate_degree gives HSDP; a shard degree of 1 replicates.
+  `flame.train.parallelize` applies activation checkpointing, compile and FSDP to the model.
 - Collectives time out: parallel.init_timeout_minutes until the first step is done, then
   parallel.collective_timeout_minutes (`ParallelState.set_collective_timeout`), so that a rank
   that died or hangs stops the others; `collective_failure` names the step in their error (gloo

@@ -143,8 +143,9 @@ class Trainer(Stateful):
         params = [p for p in self.model.parameters() if p.requires_grad]
         accumulator = None if self.parallel.fsdp else GradientAccumulator(
             params, compute_weights.grad_targets(params), self.parallel.replica_group, self.precision.reduce)
-        fsdp_schedule = MicroBatchSchedule(self.model, self.parallel.hold_weights, self.cuda_graphs,
-                                           self.precision.param, self.precision.reduce) if self.parallel.fsdp else None
+        fsdp_schedule = MicroBatchSchedule(
+            self.model, self.parallel.hold_weights, self.cuda_graphs, self.precision.param,
+            self.precision.reduce) if self.parallel.fsdp else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, training.steps,
                                                cfg.optimizer.lr)

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command
+from flame.config.torch_types import resolve_device
+from flame.inference import InferenceError, load_for_inference, resolve_dtype, run_command
 from flame.models.compiled import compiled_blocks
 from flame.ops.utils.checks import value_checks_off
 
@@ -168,7 +169,7 @@ def run(argv: list[str] | None = None) -> None:
         raise InferenceError("--seq-len and --batch-size must be >= 1 and --max-tokens >= 0")
     if not Path(args.data).is_file():
         raise InferenceError(f"--data {args.data} is not a file")
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, "--device")
     model, tokenizer = load_for_inference(args.model, device, resolve_dtype(args.dtype, device))
     m = evaluate(model, tokenizer, args.data, args.seq_len, args.batch_size, args.max_tokens, args.text_field,
                  progress_out=sys.stderr, compile=args.compile)

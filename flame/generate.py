@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from flame.inference import InferenceError, load_for_inference, resolve_device, resolve_dtype, run_command
+from flame.config.torch_types import resolve_device
+from flame.inference import InferenceError, load_for_inference, resolve_dtype, run_command
 from flame.ops.utils.checks import value_checks_off
 from flame.models.decoder import decoder_for, prefill
 
@@ -309,7 +310,7 @@ def run(argv: list[str] | None = None) -> None:
     check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
     if not args.prompt:
         raise InferenceError("--prompt is empty")
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, "--device")
     model, tokenizer = load_for_inference(args.model, device, resolve_dtype(args.dtype, device))
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:

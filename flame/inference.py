@@ -8,24 +8,11 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from flame.config.torch_types import DTYPES
 
 
 class InferenceError(ValueError):
     """Bad command-line input: a missing model folder, an empty prompt, an out-of-range setting."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """"auto": CUDA when available, else CPU; otherwise the named device, which must exist."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise InferenceError(f"--device {name!r} is not a device name ({err})") from err
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InferenceError(f"--device {name} asks for CUDA, which this machine does not have")
-    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

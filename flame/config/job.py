@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+"""The dtypes a config may name (`flame.config.torch_types.DTYPES` maps them to torch's)."""
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 
 
@@ -157,11 +158,11 @@ class Training:
     """Optimizer steps to train."""
     max_norm: float = field(default=1.0, metadata={"ge": 0})
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
-    mixed_precision_param: str = field(default="bfloat16", metadata=one_of(*DTYPES))
+    mixed_precision_param: str = field(default="bfloat16", metadata=one_of(*DTYPE_NAMES))
     """Compute dtype on GPUs: "bfloat16", "float16" or "float32". Weights, gradients and the
     optimizer state stay fp32; replicated ranks compute under torch.autocast to this dtype, FSDP
     gathers the weights in it."""
-    mixed_precision_reduce: str = field(default="float32", metadata=one_of(*DTYPES))
+    mixed_precision_reduce: str = field(default="float32", metadata=one_of(*DTYPE_NAMES))
     """The dtype in which gradients are summed over data-parallel ranks on GPUs (the replicas'
     all-reduce, FSDP's reduce-scatter); CPUs (gloo) always sum in fp32."""
     compile: bool = False

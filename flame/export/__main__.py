@@ -8,8 +8,9 @@ import argparse
 import sys
 
 from flame.config import ConfigError
+from flame.config.torch_types import DTYPES
 from flame.data.errors import DataError
-from flame.export.writer import DEFAULT_MAX_SHARD_SIZE, DTYPES, FORMATS, export_checkpoint
+from flame.export.writer import DEFAULT_MAX_SHARD_SIZE, FORMATS, WRITTEN_DTYPES, export_checkpoint
 from flame.weights import WeightsError
 
 
@@ -25,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="output folder (hf, fla) or .pth file (rwkv)")
     parser.add_argument("--format", default="hf", choices=FORMATS,
                         help="hf: transformers with trust_remote_code; fla: fla 0.6's classes; rwkv: RWKV-LM .pth")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the written weights")
+    parser.add_argument("--dtype", default="float32", choices=WRITTEN_DTYPES, help="dtype of the written weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty output")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                         help="largest safetensors file before the weights are sharded (e.g. 5GB, 500MB)")

@@ -26,7 +26,8 @@ from flame.weights.foreign import CONFIG_JSON, HF_PREFIX, SAFETENSORS_FILE, SAFE
 from flame.weights.rwkv_names import to_rwkv
 
 FORMATS = ("hf", "fla", "rwkv")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+WRITTEN_DTYPES = ("bfloat16", "float32")
+"""The dtypes an export may write its weights in (names of `flame.config.torch_types.DTYPES`)."""
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 MODELING_SOURCE = '''"""The classes of a flame model exported with `python -m flame.export`, for
 `AutoModelForCausalLM.from_pretrained(this_folder, trust_remote_code=True)`. They live in the
@@ -191,4 +192,4 @@ def write_tokenizer(folder: Path, tokenizer_path: str, eod_token: str) -> None:
     tokenizer.save_pretrained(str(folder))
 
 
-__all__ = ["DTYPES", "FORMATS", "check_output", "export_checkpoint"]
+__all__ = ["FORMATS", "WRITTEN_DTYPES", "check_output", "export_checkpoint"]

@@ -1,7 +1,7 @@
 """A model's blocks through torch.compile for inference: the forwards of `flame.eval` and of a
 prompt's prefill (flame.models.decoder.prefill) at the speed of the training step's forward.
 
-The trainer compiles each block (flame.train.parallel): Inductor fuses the projections, norms and
+The trainer compiles each block (flame.train.parallelize): Inductor fuses the projections, norms and
 token-shift lerps around the chunk ops, which are custom ops and stay one opaque node each (a
 fixed-length block is one graph). `compiled_blocks(model)` runs the same blocks compiled, for the
 duration of a `with` block only: inside it each block of `model.layers` calls its compiled form,

@@ -8,7 +8,7 @@ normalised by the global valid-token count, so the gradients are summed.
 
 Two schedules (parallel.fsdp_hold_weights; "auto", the default, holds the weights where the
 estimated peak of a rank's step with them fits in the free memory of the GPU with the least, else
-frees them: `flame.train.memory_estimate`, `flame.train.parallel.plan_data_parallel`):
+frees them: `flame.train.memory_estimate`, `flame.train.data_parallel_plan`):
 
 - **Held weights**. A block's weights are gathered once per step, at the first
   micro-batch's forward, and stay gathered until the step's last backward; its gradients
@@ -33,6 +33,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 logger = logging.getLogger("flame.train")
+
+
+def fsdp_mesh(parallel_dims):
+    """The mesh FSDP shards over, of torchtitan's `parallel_dims`: ("dp_replicate", "fsdp") under
+    HSDP, else ("fsdp",)."""
+    if parallel_dims.dp_replicate > 1:
+        return parallel_dims.get_optional_mesh(["dp_replicate", "fsdp"])
+    return parallel_dims.get_optional_mesh("fsdp")
 
 
 def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype, *,

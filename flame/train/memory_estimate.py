@@ -1,5 +1,5 @@
 """GPU memory per rank of a training step, estimated before the model is built: the numbers that
-choose replicas or FSDP and, under FSDP, held or freed weights (`flame.train.parallel`).
+choose replicas or FSDP and, under FSDP, held or freed weights (`flame.train.data_parallel_plan`).
 
 Each total is the step's peak on one rank, in bytes, from the parameter counts and the config
 (P parameters; S ranks that FSDP shards over; w, r: the bytes of an element in
@@ -47,12 +47,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from flame.config.torch_types import DTYPES
 from flame.ops.linear_cross_entropy.linear_cross_entropy import default_chunk_rows
 
 FIT_FRACTION = 0.9
 """The share of a rank's free memory that a total may take and still fit."""
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SHARDED_BYTES_PER_PARAMETER = 16
 """What FSDP shards over the ranks per parameter: the fp32 weight and gradient and AdamW's two fp32
 moments (replicas hold all of it on every rank)."""
@@ -183,7 +183,7 @@ def head_workspace_bytes(cfg) -> int:
     gradient in fp32, the compute-dtype product added into it, and in the backward its scaled fp32
     copy and the cast to the weight's dtype (4 + w + 4 + w bytes per head weight)."""
     m, t = cfg.model, cfg.training
-    w = DTYPE_BYTES[t.mixed_precision_param]
+    w = DTYPES[t.mixed_precision_param].itemsize
     tokens = t.batch_size * t.seq_len
     rows = min(tokens, default_chunk_rows(m.vocab_size))
     head = m.vocab_size * m.hidden_size
@@ -201,7 +201,7 @@ def activation_bytes(cfg) -> int:
             if getattr(m, flag):
                 per_block += extra.at(m.hidden_size)
     tokens = t.batch_size * t.seq_len
-    scale = DTYPE_BYTES[t.mixed_precision_param] / 2  # measured in bf16
+    scale = DTYPES[t.mixed_precision_param].itemsize / 2  # measured in bf16
     blocks = tokens * (m.num_layers * per_block + working.at(m.hidden_size)) * scale
     return int(blocks) + head_workspace_bytes(cfg)
 
@@ -209,7 +209,7 @@ def activation_bytes(cfg) -> int:
 def replicated(cfg, params: ParamCounts, ranks: int) -> Estimate:
     """A replica's peak over `ranks` data-parallel ranks (module docstring)."""
     t = cfg.training
-    w, r = DTYPE_BYTES[t.mixed_precision_param], DTYPE_BYTES[t.mixed_precision_reduce]
+    w, r = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     copies = 0 if t.mixed_precision_param == "float32" else w
     reducing = r if ranks > 1 and t.mixed_precision_reduce != "float32" else 0
     return Estimate({
@@ -224,7 +224,7 @@ def replicated(cfg, params: ParamCounts, ranks: int) -> Estimate:
 def fsdp(cfg, params: ParamCounts, shards: int, hold_weights: bool) -> Estimate:
     """A rank's peak under FSDP over `shards` ranks, with held or freed weights (module docstring)."""
     t = cfg.training
-    w, r = DTYPE_BYTES[t.mixed_precision_param], DTYPE_BYTES[t.mixed_precision_reduce]
+    w, r = DTYPES[t.mixed_precision_param].itemsize, DTYPES[t.mixed_precision_reduce].itemsize
     shard_bytes = -(-SHARDED_BYTES_PER_PARAMETER * params.total // shards)
     if hold_weights:
         gathered = params.total * (w + r) + params.largest_block * w

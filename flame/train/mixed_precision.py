@@ -1,8 +1,14 @@
-"""Mixed precision where FSDP does not shard the model (one rank, or replicas): compute copies of
-the fp32 matrices, fp32 gradients.
+"""Mixed precision: the dtypes of a run (`Precision`), and where FSDP does not shard the model
+(one rank, or replicas) compute copies of the fp32 matrices with fp32 gradients (`ComputeWeights`).
+
+`Precision.resolve` reads training.mixed_precision_param and training.mixed_precision_reduce once,
+for the device and the data-parallel kind of the run, and the trainer hands its answers to the
+objects that cast: FSDP's MixedPrecisionPolicy and micro-batch schedule (`param`, `reduce`), the
+replicas' gradient all-reduce (`reduce`), the compute copies (`compute_weights`) and the model
+calls' autocast context (`autocast`). On CPUs everything is fp32 (gloo, CI: the exact reference).
 
 Under FSDP, its MixedPrecisionPolicy gathers every parameter in the compute dtype. Without FSDP
-(`flame.train.parallel`) the model computes under `torch.autocast`, which
+(one rank, or replicas) the model computes under `torch.autocast`, which
 casts each fp32 weight to the compute dtype inside every micro-batch's forward, and each weight
 gradient back to fp32 in its backward. `ComputeWeights` casts the matrices once per step instead:
 
@@ -22,10 +28,47 @@ their gradients are sums over every token of a micro-batch, and stay fp32.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from flame.config.torch_types import DTYPES
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of a training run on `device` (module docstring)."""
+
+    device: torch.device
+    param: torch.dtype
+    """The weights' compute dtype: training.mixed_precision_param on CUDA, fp32 on CPUs; FSDP
+    gathers the weights in it."""
+    reduce: torch.dtype
+    """The dtype in which gradients are summed over the ranks (FSDP's reduce-scatter, the replicas'
+    all-reduce): training.mixed_precision_reduce on CUDA, fp32 on CPUs."""
+    compute_weights: torch.dtype | None
+    """The dtype of the matrices' compute copies (`ComputeWeights`); None under FSDP (its
+    MixedPrecisionPolicy casts), on CPUs and in fp32."""
+    autocast: torch.dtype | None
+    """The dtype of the model calls' torch.autocast; None where `compute_weights` is None."""
+
+    @classmethod
+    def resolve(cls, training, device: torch.device, fsdp: bool) -> Precision:
+        """The dtypes of the config section `training` on `device`; `fsdp`: FSDP shards the model."""
+        on_cuda = device.type == "cuda"
+        param = DTYPES[training.mixed_precision_param] if on_cuda else torch.float32
+        reduce = DTYPES[training.mixed_precision_reduce] if on_cuda else torch.float32
+        compute = None if fsdp or param == torch.float32 else param
+        return cls(device=device, param=param, reduce=reduce, compute_weights=compute, autocast=compute)
+
+    def autocast_context(self):
+        """A new mixed-precision context for model calls: torch.autocast to `autocast`, or a no-op
+        context where it is None."""
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
 
 class ComputeWeights:

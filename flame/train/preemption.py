@@ -13,6 +13,10 @@ A second signal while stopping aborts at once with ABORTED_EXIT_CODE: the save i
 without its COMPLETE marker, so the previous complete checkpoint stays the one to resume from.
 The same signal again within DUPLICATE_WINDOW_S of the first counts as the first: launchers may
 deliver one signal twice (Slurm to every process of a job step, torchrun again to its workers).
+
+The step boundary also watches for a rank that stops: on several GPUs a collective that times out
+ends the process from NCCL's watchdog thread, whose message names the collective, not the step;
+`StallWarning` names the step first.
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from flame.train.parallel import StallWarning
 
 logger = logging.getLogger("flame.train")
 
@@ -156,3 +158,38 @@ class StepBoundary:
         if self.stall_warning is not None:
             self.stall_warning.close()
             self.stall_warning = None
+
+
+class StallWarning:
+    """A thread that warns, once per step, when a step has run for most of the collective timeout.
+
+    On GPUs a collective that times out ends the process from NCCL's watchdog thread, whose
+    message names the collective, not the step: this warning comes first and names the step."""
+
+    def __init__(self, rank: int, timeout_minutes: float, poll_seconds: float = 5.0,
+                 fraction: float = 0.9):
+        self.rank = rank
+        self.limit = 60 * timeout_minutes * fraction
+        self.timeout_minutes = timeout_minutes
+        self.poll_seconds = poll_seconds
+        self.last_step, self.since, self.warned = 0, time.monotonic(), False
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.watch, name="flame-stall-warning", daemon=True)
+        self.thread.start()
+
+    def step_done(self, step: int) -> None:
+        self.last_step, self.since, self.warned = step, time.monotonic(), False
+
+    def watch(self) -> None:
+        while not self.stopped.wait(self.poll_seconds):
+            waited = time.monotonic() - self.since
+            if not self.warned and waited > self.limit:
+                self.warned = True
+                logger.warning(
+                    "rank %d: no step finished for %.1f min since step %d; collectives time out "
+                    "after %g min (parallel.collective_timeout_minutes): if this rank stops then, "
+                    "another rank died or hangs in step %d", self.rank, waited / 60,
+                    self.last_step, self.timeout_minutes, self.last_step + 1)
+
+    def close(self) -> None:
+        self.stopped.set()

@@ -31,6 +31,7 @@ from torch import use_deterministic_algorithms
 from torch.distributed.checkpoint.stateful import Stateful
 
 from flame.config import to_toml
+from flame.config.torch_types import resolve_device
 from flame.data import build_job_dataloader, load_tokenizer
 from flame.models import build_model
 from flame.train import fault_injection
@@ -44,13 +45,11 @@ from flame.train.loss import IGNORE_INDEX
 from flame.train.lr_schedule import build_lr_scheduler
 from flame.train.memory_estimate import ParamCounts
 from flame.train.metrics import MetricsLogger, StepLog, setup_logging
-from flame.train.mixed_precision import ComputeWeights
+from flame.train.mixed_precision import ComputeWeights, Precision
 from flame.train.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from flame.train.optimizer import build_optimizer
-from flame.train.parallel import (ParallelState, autocast, broadcast_replicas, collective_failure,
-                                  compute_weights_dtype, cuda_graphs_enabled, fsdp_dtypes, parallelize,
-                                  reduce_dtype,
-                                  resolve_device, setup_parallel)
+from flame.train.parallel import ParallelState, broadcast_replicas, collective_failure, setup_parallel
+from flame.train.parallelize import parallelize
 from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.profiling import StepProfiler
 from flame.train.run_lock import RunLock, lock_dump_folder
@@ -97,11 +96,13 @@ class Trainer(Stateful):
         self.cfg = cfg
         training = cfg.training
 
-        # 1. the processes: device, ranks and mesh (sized by the model), seed, dump folder
+        # 1. the processes: device, ranks and mesh (sized by the model), the run's dtypes, seed, dump folder
         with torch.device("meta"):
             model = (model_factory or build_model)(cfg.model)
-        self.parallel: ParallelState = setup_parallel(cfg, resolve_device(training.device), ParamCounts.of(model))
+        self.parallel: ParallelState = setup_parallel(cfg, resolve_device(training.device, "training.device"),
+                                                      ParamCounts.of(model))
         self.device, self.rank = self.parallel.device, self.parallel.rank
+        self.precision = Precision.resolve(training, self.device, fsdp=self.parallel.fsdp)
         setup_logging(self.rank)
         self.seed_everything()
         self.dump_folder = Path(cfg.job.dump_folder)
@@ -125,24 +126,24 @@ class Trainer(Stateful):
         self.val_loader = None
         logger.info("data: ready in %.1fs", time.monotonic() - start)
 
-        # 3. model: parallelised, materialised, initialised (the same on every replica)
-        self.cuda_graphs = cuda_graphs_enabled(cfg, self.parallel)
+        # 3. model: parallelised (and whether its blocks replay as CUDA graphs), materialised,
+        # initialised (the same on every replica)
         self.model = self.materialize(model)
 
         # 4. the step: gradient buffers, optimizer, LR schedule, non-finite guard
-        compute_weights = ComputeWeights(self.model, compute_weights_dtype(cfg, self.parallel))
+        compute_weights = ComputeWeights(self.model, self.precision.compute_weights)
         params = [p for p in self.model.parameters() if p.requires_grad]
         accumulator = None if self.parallel.fsdp else GradientAccumulator(
-            params, compute_weights.grad_targets(params), self.parallel.replica_group,
-            reduce_dtype(cfg, self.parallel))
-        fsdp_schedule = MicroBatchSchedule(self.model, self.parallel.hold_weights, self.cuda_graphs,
-                                           *fsdp_dtypes(cfg, self.parallel)) if self.parallel.fsdp else None
+            params, compute_weights.grad_targets(params), self.parallel.replica_group, self.precision.reduce)
+        fsdp_schedule = MicroBatchSchedule(
+            self.model, self.parallel.hold_weights, self.cuda_graphs, self.precision.param,
+            self.precision.reduce) if self.parallel.fsdp else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, training.steps,
                                                cfg.optimizer.lr)
         self.pipeline = StepPipeline(
             self.model, self.optimizer, self.lr_scheduler, self.parallel, accumulator=accumulator,
-            fsdp_schedule=fsdp_schedule, compute_weights=compute_weights, autocast=autocast(cfg, self.parallel),
+            fsdp_schedule=fsdp_schedule, compute_weights=compute_weights, autocast=self.precision.autocast_context,
             cuda_graphs=self.cuda_graphs, max_norm=training.max_norm,
             fused_update=cfg.optimizer.implementation == "fused")
         self.guard = NonFiniteGuard(training, self.model, self.parallel, self.pipeline.forward)
@@ -194,10 +195,11 @@ class Trainer(Stateful):
             dp_world_size=self.parallel.dp_world_size)
 
     def materialize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The meta-device `model` parallelised (AC, compile, FSDP), on the device, initialised."""
+        """The meta-device `model` parallelised (AC, compile, FSDP: `parallelize`, which decides
+        `self.cuda_graphs`), on the device, initialised."""
         logger.info("model: %s, parallelising and initialising ...", self.cfg.model.family)
         start = time.monotonic()
-        model = parallelize(model, self.cfg, self.parallel, self.cuda_graphs)
+        self.cuda_graphs = parallelize(model, self.cfg, self.parallel, self.precision)
         # materialise in place (swap each parameter's contents, keep the Parameter objects), so that a
         # tied head and embedding stay one parameter; a plain to_empty gives each module a new one
         swap = torch.__future__.get_swap_module_params_on_conversion()

@@ -45,7 +45,7 @@ def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_p
 
     from flame.models import build_model
     from flame.ops.utils.checks import set_value_checks, value_checks_enabled
-    from flame.train.parallel import recompute_elementwise
+    from flame.train.activation_checkpoint import recompute_elementwise
 
     cfg = tiny_config(tmp_path, model={"family": family, "hidden_size": 64, "num_layers": 2, "head_dim": 16,
                                        "backend": "triton"})

@@ -1,4 +1,4 @@
-"""How the data-parallel ranks split the model (flame.train.parallel.plan_data_parallel): replicas
+"""How the data-parallel ranks split the model (flame.train.data_parallel_plan): replicas
 when a replica's estimated peak fits in the free memory of the GPU with the least, FSDP when it
 does not, held or freed FSDP weights by the same estimate, and the user's choice when the config
 makes one. The GPUs are a fake 79 GiB free (an 80 GB H100 once its CUDA context is made)."""
@@ -8,7 +8,7 @@ import torch
 
 from flame.config import load_config
 from flame.models import build_model
-from flame.train import memory_estimate, parallel
+from flame.train import data_parallel_plan, memory_estimate
 
 H100_FREE = 79 * 2**30
 
@@ -29,8 +29,8 @@ def params_of(cfg) -> memory_estimate.ParamCounts:
     return _PARAMS[key]
 
 
-def plan(cfg, world_size: int, free=H100_FREE) -> parallel.DataParallelPlan:
-    return parallel.plan_data_parallel(cfg, world_size, params_of(cfg), free)
+def plan(cfg, world_size: int, free=H100_FREE) -> data_parallel_plan.DataParallelPlan:
+    return data_parallel_plan.plan_data_parallel(cfg, world_size, params_of(cfg), free)
 
 
 # issue 39's runs on H100s: RWKV7 at 6.9B (hidden 4096) and at 2.9B (hidden 2560), 32 layers, batch 2

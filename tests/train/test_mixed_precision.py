@@ -2,14 +2,16 @@
 place for model calls and refreshed from the fp32 weights, and gradients summed in fp32."""
 
 import copy
+import dataclasses
+from contextlib import nullcontext
 
 import pytest
 import torch
 from torch import nn
 
-import flame.train.trainer as trainer_module
+from flame.config import Training
 from flame.train.accumulation import add_gradients
-from flame.train.mixed_precision import ComputeWeights
+from flame.train.mixed_precision import ComputeWeights, Precision
 from flame.train.trainer import Trainer
 from tests.train.helpers import random_batches, split_rows, tiny_config
 
@@ -22,6 +24,27 @@ class Tied(nn.Module):
         self.head = nn.Linear(4, 10, bias=False)
         self.head.weight = self.embedding.weight
         self.mu = nn.Parameter(torch.randn(4))
+
+
+@pytest.mark.parametrize("device, fsdp, param, reduce, want", [
+    ("cuda", False, "bfloat16", "float32", (torch.bfloat16, torch.float32, torch.bfloat16)),  # one GPU, replicas
+    ("cuda", True, "bfloat16", "bfloat16", (torch.bfloat16, torch.bfloat16, None)),  # FSDP casts itself
+    ("cuda", False, "float32", "bfloat16", (torch.float32, torch.bfloat16, None)),  # nothing to cast
+    ("cpu", False, "bfloat16", "bfloat16", (torch.float32, torch.float32, None)),  # CPUs: fp32 throughout
+])
+def test_precision_follows_the_config_the_device_and_the_data_parallel_kind(device, fsdp, param, reduce, want):
+    training = Training(mixed_precision_param=param, mixed_precision_reduce=reduce)
+    precision = Precision.resolve(training, torch.device(device), fsdp=fsdp)
+    assert (precision.param, precision.reduce, precision.compute_weights) == want
+    assert precision.autocast == precision.compute_weights
+
+
+def test_the_autocast_context_is_autocast_to_its_dtype_or_nothing():
+    cpu = torch.device("cpu")
+    assert isinstance(Precision(cpu, torch.float32, torch.float32, None, None).autocast_context(), nullcontext)
+    context = Precision(cpu, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16).autocast_context()
+    with context:
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
 def test_copies_replace_the_matrices_inside_active_only():
@@ -90,9 +113,9 @@ def test_trainer_runs_on_compute_copies_and_sums_their_gradients_in_fp32(tmp_pat
     """With compute copies on (as on one GPU; here bf16 under CPU autocast), a step's fp32 gradient
     buffers hold the fp32 sum of the micro-batches' gradients of the bf16 copies, the optimizer
     updates the fp32 parameters, and the next step's model calls see the updated weights."""
-    monkeypatch.setattr(trainer_module, "compute_weights_dtype", lambda cfg, state: torch.bfloat16)
-    monkeypatch.setattr(trainer_module, "autocast",
-                        lambda cfg, state: (lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
+    one_gpu_on_cpu = Precision(torch.device("cpu"), param=torch.float32, reduce=torch.float32,
+                               compute_weights=torch.bfloat16, autocast=torch.bfloat16)
+    monkeypatch.setattr(Precision, "resolve", classmethod(lambda cls, training, device, fsdp: one_gpu_on_cpu))
     cfg = tiny_config(tmp_path / "run", training={"batch_size": 2, "gradient_accumulation_steps": 2,
                                                    "max_norm": 0.0})
     trainer = Trainer(cfg, dataloader=())
@@ -140,7 +163,9 @@ def test_compute_copies_train_like_autocast_alone_and_like_fp32_on_the_gpu(tmp_p
 
     reference = gpu_trace(tmp_path, "eager-fp32", "rwkv7", compile=False, mixed_precision_param="float32")
     copies = gpu_trace(tmp_path, "copies", "rwkv7", compile=True, activation_checkpoint="elementwise")
-    monkeypatch.setattr(trainer_module, "compute_weights_dtype", lambda cfg, state: None)
+    resolve = Precision.resolve
+    monkeypatch.setattr(Precision, "resolve", classmethod(
+        lambda cls, *args, **kwargs: dataclasses.replace(resolve(*args, **kwargs), compute_weights=None)))
     autocast_alone = gpu_trace(tmp_path, "autocast", "rwkv7", compile=True, activation_checkpoint="elementwise")
     assert_same_steps(copies, reference, GPU_TOLERANCES, MIN_FALL)
     assert_same_steps(autocast_alone, reference, GPU_TOLERANCES, MIN_FALL)

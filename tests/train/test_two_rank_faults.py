@@ -120,7 +120,7 @@ def test_torchrun_restarts_after_sigkills_resume_and_match(config, two_rank_refe
 
 
 def test_a_stalled_step_is_named_before_the_collective_timeout(flame_log):
-    from flame.train.parallel import StallWarning
+    from flame.train.preemption import StallWarning
 
     watch = StallWarning(rank=1, timeout_minutes=0.005, poll_seconds=0.02)  # 0.3 s
     try:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flame.train import memory_estimate
+from flame.train.compile_cache import source_fingerprint
 from flame.train.fsdp import apply_fsdp
 
 logger = logging.getLogger("flame.train")
@@ -447,8 +448,9 @@ def recompute_elementwise(block: nn.Module) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return checkpoint_wrapper(block, preserve_rng_state=False,
-                              context_fn=partial(create_selective_checkpoint_contexts, keep_matmuls_and_attention))
+    context_fn = partial(create_selective_checkpoint_contexts, keep_matmuls_and_attention)
+    context_fn.cache_hash = source_fingerprint()  # torch's compile cache keys the policy on it
+    return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
 
 
 def cuda_graphs_enabled(cfg, state: ParallelState) -> bool:

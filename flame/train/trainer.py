@@ -38,6 +38,7 @@ from flame.ops.utils.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState,
                                     load_exported_weights, write_run_config)
+from flame.train.compile_cache import CompileCache
 from flame.train.fault_injection import fault_point
 from flame.train.fsdp import MicroBatchSchedule
 from flame.train.loss import IGNORE_INDEX
@@ -133,8 +134,10 @@ class Trainer(Stateful):
         self.val_loader = None
         logger.info("data: ready in %.1fs", time.monotonic() - start)
 
-        # 3. model: parallelised, materialised, initialised (the same on every replica)
+        # 3. model: parallelised, materialised, initialised (the same on every replica); the
+        # compiled code is cached where a restart finds it
         self.cuda_graphs = cuda_graphs_enabled(cfg, self.parallel)
+        self.compile_cache = CompileCache.setup(training, cfg.job.dump_folder, self.rank)
         self.model = self.materialize(model)
 
         # 4. the step: gradient buffers, optimizer, LR schedule, non-finite guard
@@ -305,6 +308,7 @@ class Trainer(Stateful):
         the tokens, and a non-finite step's skip, diagnosis and maybe reload (`NonFiniteGuard`)."""
         result = self.pipeline.resolve(step)
         self.state.step += 1
+        self.compile_cache.first_step_done(self.state.step, result.seconds)
         if self.guard.check(result, step, self.state, self.batches_consumed) is Outcome.OK:
             self.state.tokens += result.valid_tokens
         return result

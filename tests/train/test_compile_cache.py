@@ -171,3 +171,46 @@ def test_a_second_compile_loads_the_code_from_the_folder(tmp_path):
     assert first.get("fxgraph_cache_miss") == 1 and not first.get("fxgraph_cache_hit"), first
     assert second.get("fxgraph_cache_hit") == 1 and not second.get("fxgraph_cache_miss"), second
     assert count_entries([tmp_path / "inductor"]) > 0
+
+
+RESTART = """
+import json, sys
+from torch._dynamo.utils import counters
+from flame.train.trainer import Trainer
+from tests.train.helpers import tiny_config
+dump, sections = sys.argv[1], json.loads(sys.argv[2])
+Trainer(tiny_config(dump, **sections)).train()
+print(json.dumps({name: dict(counters[name]) for name in ("aot_autograd", "inductor")}))
+"""
+
+
+def train_twice(tmp_path, model: dict, training: dict) -> list[tuple[str, dict]]:
+    """Two fresh processes that train the same compiled model, each from step 0 in a dump folder of
+    its own, with one compile cache folder: each one's log and torch's compile counters."""
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    sections = {"model": model, "training": {"compile": True, "activation_checkpoint": "elementwise",
+                                              "steps": 2, "compile_cache_dir": str(tmp_path / "cache"), **training}}
+    runs = []
+    for name in ("first", "restart"):
+        done = subprocess.run([sys.executable, "-c", RESTART, str(tmp_path / name), json.dumps(sections)],
+                              capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append((done.stdout, json.loads(done.stdout.strip().splitlines()[-1])))
+    return runs
+
+
+@pytest.mark.gpu
+def test_a_restart_loads_every_compiled_graph_from_the_cache_on_the_gpu(tmp_path):
+    """The shipped path (compiled blocks of flame's Triton kernels under the "elementwise"
+    checkpointing policy, replayed as CUDA graphs, bf16): the restart compiles no graph; torch's
+    AOTAutograd cache serves every one (none missed, none bypassed)."""
+    (first_log, first), (restart_log, restart) = train_twice(
+        tmp_path, model={"family": "rwkv7", "head_dim": 64, "hidden_size": 256, "num_layers": 4, "backend": "auto"},
+        training={"device": "cuda", "batch_size": 1, "seq_len": 256, "gradient_accumulation_steps": 2})
+    assert "0 entries found (cold)" in first_log and first["aot_autograd"].get("autograd_cache_saved"), first
+    assert "entries found (warm)" in restart_log and "the first step (step 1) took" in restart_log
+    hits, aot = restart["aot_autograd"].get("autograd_cache_hit", 0), restart["aot_autograd"]
+    assert hits > 0 and hits == aot.get("total"), restart
+    assert not aot.get("autograd_cache_miss") and not aot.get("autograd_cache_bypass"), restart
+    assert not restart["inductor"].get("fxgraph_cache_miss"), restart

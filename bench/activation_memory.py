@@ -67,6 +67,7 @@ def trainer_args(family: str, policy: str, flag: str, width: int, depth: int, ba
         "--training.compile", "true", "--training.cuda_graphs", "true", "--training.steps", "100",
         "--checkpoint.enable", "false", "--metrics.val_freq", "0", "--metrics.enable_wandb", "false",
         "--job.dump_folder", dump,
+        "--training.compile_cache_dir", "none",  # the node's cache, which every run's new dump folder shares
     ]
 
 

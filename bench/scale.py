@@ -75,6 +75,7 @@ def run_keys(args, config: str, run: str, dump: Path) -> list[str]:
              "hsdp": args.nproc // 2}.get(run, -1)
     keys = ["--config", config, *EMBEDDED_DATA, *args.overrides,
             "--job.dump_folder", str(dump), "--training.steps", str(args.steps),
+            "--training.compile_cache_dir", "none",  # the node's cache, which the runs' dump folders share
             "--training.device", args.device, "--parallel.data_parallel_shard_degree", str(shard),
             "--parallel.data_parallel_replicate_degree", "2" if run == "hsdp" else "1",
             "--checkpoint.enable", "true" if run == "preempt" else "false",

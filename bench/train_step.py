@@ -64,6 +64,7 @@ def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides
         "--training.steps", str(steps), "--checkpoint.enable", "false",
         "--metrics.val_freq", "0", "--metrics.log_freq", str(steps), "--metrics.enable_wandb", "false",
         "--job.dump_folder", dump_folder,
+        "--training.compile_cache_dir", "none",  # the node's cache, which every run's new dump folder shares
         *overrides,
     ]
 

@@ -34,8 +34,9 @@ class Job:
     """Run name, used for the dump folder default and the wandb run name."""
     dump_folder: str = field(default="outputs/flame", metadata={"nonempty": True})
     """Where the run writes config.toml, metrics.jsonl, its checkpoints (each step-N with the
-    config.toml it was trained with) and, when enabled, tensorboard/, wandb/ and profiler traces.
-    The console log goes to stdout only: launch/train.sh keeps each rank's in logs/<date-time>."""
+    config.toml it was trained with) and, when enabled, tensorboard/, wandb/, profiler traces and
+    the compiled code (compile_cache/, training.compile_cache_dir). The console log goes to stdout
+    only: launch/train.sh keeps each rank's in logs/<date-time>."""
     seed: int = field(default=42, metadata={"ge": 0, "le": 2**32 - 1})
     """Seed for model init, data order (unless data.seed is set) and dropout-free determinism."""
     deterministic: bool = False
@@ -167,6 +168,14 @@ class Training:
     all-reduce, FSDP's reduce-scatter); CPUs (gloo) always sum in fp32."""
     compile: bool = False
     """torch.compile each block."""
+    compile_cache_dir: str = ""
+    """With training.compile: the folder of the compiled code (Inductor's compiled graphs, Triton's
+    kernels: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into it), so that a restart on any
+    node that sees the folder loads the code instead of compiling it again. "" is
+    <job.dump_folder>/compile_cache; "none" leaves the caches in torch's and Triton's default
+    folders on the node. Each version of flame's source gets a subfolder of its own; either
+    variable set in the environment wins. The log says whether the cache was warm and how long
+    the first step took."""
     cuda_graphs: bool = True
     """With training.compile on CUDA, a model that FSDP does not shard and fixed-length batches:
     replay each compiled block as a CUDA graph (torch.compile's "reduce-overhead" mode), so that

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flame.train.compile_cache import source_fingerprint
+
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Wrap each block of `model.layers` for recomputation in the backward: "full" (the whole
@@ -91,5 +93,6 @@ def recompute_elementwise(block: nn.Module) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return checkpoint_wrapper(block, preserve_rng_state=False,
-                              context_fn=partial(create_selective_checkpoint_contexts, keep_matmuls_and_attention))
+    context_fn = partial(create_selective_checkpoint_contexts, keep_matmuls_and_attention)
+    context_fn.cache_hash = source_fingerprint()  # torch's compile cache keys the policy on it
+    return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)

@@ -39,6 +39,7 @@ from flame.ops.utils.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState,
                                     load_exported_weights, write_run_config)
+from flame.train.compile_cache import CompileCache
 from flame.train.fault_injection import fault_point
 from flame.train.fsdp import MicroBatchSchedule
 from flame.train.loss import IGNORE_INDEX
@@ -127,7 +128,9 @@ class Trainer(Stateful):
         logger.info("data: ready in %.1fs", time.monotonic() - start)
 
         # 3. model: parallelised (and whether its blocks replay as CUDA graphs), materialised,
-        # initialised (the same on every replica)
+        # initialised (the same on every replica); the compiled code is cached where a restart
+        # finds it
+        self.compile_cache = CompileCache.setup(training, cfg.job.dump_folder, self.rank)
         self.model = self.materialize(model)
 
         # 4. the step: gradient buffers, optimizer, LR schedule, non-finite guard
@@ -306,6 +309,7 @@ class Trainer(Stateful):
         run (STOPPED) or reloads the last good checkpoint (RELOADED)."""
         result = self.pipeline.resolve(step)
         self.state.count(result)
+        self.compile_cache.first_step_done(self.state.step, result.seconds)
         result.outcome = self.guard.check(result, step, self.state, self.batches_consumed)
         if result.outcome is Outcome.STOPPED:
             raise NonFiniteTrainingError(

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 
 from flame.config import config_from_dict
 
 TINY_VOCAB = 8192  # the embedded tokenizer's vocabulary
+
+TEST_COMPILE_CACHE = Path(tempfile.gettempdir()) / "flame-tests-compile-cache"
+"""training.compile_cache_dir of the tests' runs: one folder for them all, as torch's default
+folder on the machine would be, so that a compiling test does not start cold in its own dump
+folder (flame.train.compile_cache)."""
 
 
 def tiny_config(dump_folder, **sections):
@@ -16,7 +24,8 @@ def tiny_config(dump_folder, **sections):
         "model": {"family": "rwkv7", "vocab_size": TINY_VOCAB, "hidden_size": 32,
                   "num_layers": 2, "head_dim": 16, "backend": "torch"},
         "training": {"batch_size": 2, "seq_len": 16, "gradient_accumulation_steps": 1,
-                     "steps": 4, "max_norm": 1.0, "device": "cpu"},
+                     "steps": 4, "max_norm": 1.0, "device": "cpu",
+                     "compile_cache_dir": str(TEST_COMPILE_CACHE)},
         "optimizer": {"lr": 3e-3, "implementation": "for-loop"},
         "lr_scheduler": {"warmup_steps": 2, "decay_type": "cosine"},
         "checkpoint": {"enable": False},

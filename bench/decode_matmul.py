@@ -195,7 +195,7 @@ def record_launches(models: dict, B: int) -> dict:
     """{(N, K): (families, args)}: the decode_matmul launches of one decoding step of each model at
     B rows, the first launch of each (N, K) with its arguments (decode_matmul_triton's positional
     ones); the step itself runs through the PyTorch form."""
-    from flame.models.decoder import Decoder
+    from flame.inference.decoder import Decoder
 
     launches: dict = {}
     family = None
@@ -417,8 +417,8 @@ def install_table(table: dict) -> None:
 
 def step_rates(models: dict, batch_sizes: list[int], device, steps: int = 50) -> dict:
     """{(family, B): (ms per step, tokens/s)} of the whole decoding step replayed as a CUDA graph
-    (flame.models.decoder.Decoder) with the table `launch_config` reads now."""
-    from flame.models.decoder import Decoder
+    (flame.inference.decoder.Decoder) with the table `launch_config` reads now."""
+    from flame.inference.decoder import Decoder
 
     rates = {}
     for family, model in models.items():

@@ -12,7 +12,7 @@ What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 3200
   events in stream order): from its start to the mark after its first token (the prefill) and
   from that mark to its end (the decoding). Decoding tokens/s = B * (new_tokens - 1) / decoding
   time; both times are medians of --repeats runs after one warm-up run (compiles, captures the
-  CUDA graph). flame: `flame.generate.generate`, the decode step replayed as a CUDA graph, marked
+  CUDA graph). flame: `flame.inference.generate`, the decode step replayed as a CUDA graph, marked
   where the generation loads the prompt's state into its `Decoder`; "graph step ms" is one
   replay alone, without the sampling, and a row whose decoding steps take less than that is
   flagged as a timing error (`decode_figures`). hf: flame's Hugging Face model class
@@ -29,7 +29,7 @@ What it measures (CUDA GPU, bf16 weights, random initialisation, vocabulary 3200
   (flame's `prefill`, fla's forward with use_cache); flame's eval forward (the fused LM-head loss,
   as `flame.eval` runs it) on the same tokens; the rwkv package prefills one sequence of
   --rwkv-prompt-len tokens. flame's prefill and eval forward run the model's blocks compiled
-  (flame.models.compiled: torch.compile per block, compiled in the warm-up run; prefill compiles
+  (flame.inference.compiled: torch.compile per block, compiled in the warm-up run; prefill compiles
   its segments of PREFILL_SEGMENT tokens and runs the rest eagerly) unless --no-compile; the row's
   "compiled" says whether they did.
 - the peak GPU memory of each measurement.
@@ -272,10 +272,10 @@ def decode_row(family, lib, batch, args, prefill_s, decode_s, device, *, prompt_
 def bench_flame(family: str, args, device) -> list[dict]:
     import torch
 
-    from flame.generate import generate
+    from flame.inference.compiled import compiled_blocks
+    from flame.inference.decoder import PREFILL_SEGMENT, Decoder, decoder_for, prefill, release_decoders
+    from flame.inference.generation import generate
     from flame.ops.utils.checks import value_checks_off
-    from flame.models.compiled import compiled_blocks
-    from flame.models.decoder import PREFILL_SEGMENT, Decoder, decoder_for, prefill, release_decoders
 
     model = build_flame(family, device, args.tiny)
     rows = []

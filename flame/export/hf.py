@@ -7,7 +7,7 @@ classes (and kernels) in any Python that has flame installed. `transformers` is 
 
 `generate` keeps flame's recurrent state in a `FlameCache` (a transformers `Cache`): the prompt
 runs once through the chunked kernels (padded rows packed without their padding), then every new
-token is one decoding step over static buffers, a CUDA graph on CUDA (flame.models.decoder).
+token is one decoding step over static buffers, a CUDA graph on CUDA (flame.inference.decoder).
 With use_cache=False every step recomputes the whole prefix instead.
 """
 
@@ -23,8 +23,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from flame.config import Model
 from flame.config.job import TRAINING_MEMORY_FIELDS
+from flame.inference.decoder import decoder_for, prefill
 from flame.models import build_model
-from flame.models.decoder import decoder_for, prefill
 from flame.weights.foreign import HF_MODEL_TYPE as MODEL_TYPE
 
 MODELING_FILE = "modeling_flame.py"
@@ -69,7 +69,7 @@ class FlameConfig(PretrainedConfig):
 
 class FlameCache(Cache):
     """flame's recurrent state of a batch behind transformers' `Cache`: a `Decoder`'s static
-    buffers (flame.models.decoder), filled by the prompt's prefill and moved on one token per
+    buffers (flame.inference.decoder), filled by the prompt's prefill and moved on one token per
     forward. It cannot be cropped (a recurrent state forgets), so transformers' assisted decoding
     is refused (`_is_stateful`)."""
 

@@ -38,7 +38,7 @@ class CausalLM(nn.Module):
     `_decode_layers`.
 
     Decoding one token at a time over static buffers (`new_decode_state`, `decode_weights`,
-    `decode_step`; flame.models.decoder captures it in a CUDA graph): blocks implement
+    `decode_step`; flame.inference.decoder captures it in a CUDA graph): blocks implement
     `new_decode_state(batch, device, dtype)`, `decode_weights()` and `decode(x, state, weights)`
     (see `decode_step`).
     """
@@ -172,7 +172,7 @@ class CausalLM(nn.Module):
     def decode_weights(self) -> list[dict[str, torch.Tensor]]:
         """Per layer, the weights a decoding step reads stacked (projections that run as one
         batched matmul): copies, refreshed by the caller when the parameters change
-        (flame.models.decoder)."""
+        (flame.inference.decoder)."""
         return [layer.decode_weights() for layer in self.layers]
 
     def _decode_layers(self, x: torch.Tensor, state: list[LayerState], weights: list[dict]) -> torch.Tensor:

@@ -12,7 +12,7 @@ The layers replace the fields of the state they are given (never modify its tens
 
 `CausalLM.decode_step` is the exception, by design: it runs one token over a state whose tensors
 are static buffers (`CausalLM.new_decode_state`, every field allocated) and updates them in place,
-so that a CUDA graph captured once replays the step on the same memory (flame.models.decoder).
+so that a CUDA graph captured once replays the step on the same memory (flame.inference.decoder).
 """
 
 from __future__ import annotations

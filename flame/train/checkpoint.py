@@ -50,10 +50,8 @@ from flame.weights import (
     CONFIG_FILE,
     WeightsError,
     check_readable,
-    check_state_dict,
     complete_steps,
     first_line,
-    read_exported,
     step_dir,
 )
 
@@ -321,31 +319,6 @@ def write_run_config(folder: str | Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def load_exported_weights(model: torch.nn.Module, path: str | Path, family: str) -> None:
-    """Load model weights only from an exported `hf` or `fla` folder or an RWKV-LM `.pth`
-    (flame.export's formats) into `model`, sharded or not: converted to flame's names, checked
-    against the model (the first missing, unexpected or misshapen tensor is named, with both
-    shapes), then handed to `set_model_state_dict` as a full state dict that every rank holds.
-    A failed read is a WeightsError whose message starts with the config key."""
-    try:
-        _, state, _ = read_exported(path, family)
-        expected = get_model_state_dict(model)  # sharded tensors report their full shapes
-        tied = bool(getattr(model, "tie_word_embeddings", False))
-        check_state_dict(expected, state, tied_head=tied, source=str(path))
-    except WeightsError as err:
-        raise WeightsError(f"checkpoint.initial_load_path: {err}") from err
-    if tied and "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["embeddings.weight"]):
-        raise WeightsError(
-            f"checkpoint.initial_load_path: {path} holds a head (lm_head.weight) that differs from "
-            f"its embedding, but this run ties them (model.tie_word_embeddings = true)"
-        )
-    if tied and "lm_head.weight" in expected:
-        state["lm_head.weight"] = state["embeddings.weight"]
-    state = {name: state[name].to(expected[name].dtype) for name in expected}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
-    logger.info("model: weights loaded from %s (model only, a new run)", path)
 
 
 def _describe(err: BaseException) -> str:

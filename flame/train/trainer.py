@@ -38,7 +38,7 @@ from flame.train import fault_injection
 from flame.ops.utils.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState,
-                                    load_exported_weights, write_run_config)
+                                    write_run_config)
 from flame.train.compile_cache import CompileCache
 from flame.train.fault_injection import fault_point
 from flame.train.fsdp import MicroBatchSchedule
@@ -55,7 +55,7 @@ from flame.train.preemption import Preempted, StepBoundary, StopSignals
 from flame.train.profiling import StepProfiler
 from flame.train.run_lock import RunLock, lock_dump_folder
 from flame.train.step_pipeline import LaunchedStep, Outcome, StepEnd, StepPipeline, StepResult
-from flame.weights import is_foreign_weights
+from flame.weights import is_foreign_weights, load_exported_weights
 
 logger = logging.getLogger("flame.train")
 

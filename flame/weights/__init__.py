@@ -7,7 +7,8 @@
 - `foreign`: exported `hf`/`fla` folders and RWKV-LM `.pth` files, `read_exported`;
 - `fla_names`, `rwkv_names`: flame's parameter names <-> fla's and RWKV-LM's, both ways;
 - `state_dicts`: `check_state_dict` (names and shapes against a model), `untie_if_different`;
-- `load`: `load_model`, flame's model from a checkpoint or an export; `check_model_args`, weights
+- `load`: `load_model`, flame's model from a checkpoint or an export; `load_exported_weights`, an
+  export's weights into a training run's model (sharded or not); `check_model_args`, weights
   against the model a config describes;
 - `errors`: `WeightsError`, the one error of a failed read.
 
@@ -32,7 +33,7 @@ from flame.weights.layout import (
     read_run_checkpoint,
     step_dir,
 )
-from flame.weights.load import build_with_weights, check_model_args, load_model
+from flame.weights.load import build_with_weights, check_model_args, load_exported_weights, load_model
 from flame.weights.state_dicts import check_state_dict, untie_if_different
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "find_step_dir",
     "first_line",
     "is_foreign_weights",
+    "load_exported_weights",
     "load_model",
     "read_exported",
     "read_model_state_dict",

@@ -1,5 +1,5 @@
 """Every export read back into flame (flame.weights.foreign): bitwise the trained weights, by
-`load_model` and by a new run's checkpoint.initial_load_path (flame.train.checkpoint), and clear
+`load_model` and by a new run's checkpoint.initial_load_path (flame.weights.load), and clear
 errors for weights that do not fit the model."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The compiled inference forward (flame.models.compiled) of flame.eval and of prefill.
+"""The compiled inference forward (flame.inference.compiled) of flame.eval and of prefill.
 
 On CPU the blocks are traced by Dynamo with a counting backend that runs the traced graphs as they
 are (no code generation): the compiled path gives the eager results exactly, and a count of the
@@ -12,10 +12,10 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from flame.data.tokenizer import load_tokenizer
-from flame.eval import evaluate
-from flame.models import decoder
-from flame.models.compiled import compile_supported, compiled_blocks
-from flame.models.decoder import prefill
+from flame.inference import decoder
+from flame.inference.compiled import compile_supported, compiled_blocks
+from flame.inference.decoder import prefill
+from flame.inference.evaluation import evaluate
 from flame.ops.utils.checks import value_checks_off
 from tests.inference.test_eval import DOCS, write_jsonl
 from tests.models.helpers import FAMILIES

@@ -1,4 +1,4 @@
-"""The decoding step over static buffers (CausalLM.decode_step, flame.models.decoder): its greedy
+"""The decoding step over static buffers (CausalLM.decode_step, flame.inference.decoder): its greedy
 tokens equal the eager recurrent step's (forward_with_state per token) and a full forward's argmax
 over 256 tokens in fp32 on CPU, for every family; packed prefill of prompts of different lengths;
 the fused decode kernels (Triton, under the interpreter on CPU) against their PyTorch forms; the
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flame.generate import generate
-from flame.models.decoder import Decoder, decoder_for, prefill, release_decoders
+from flame.inference.decoder import Decoder, decoder_for, prefill, release_decoders
+from flame.inference.generation import generate
 from flame.ops.utils.backend import triton_interpreter_enabled
 from flame.ops.gsa.decode_step import gsa_decode_step
 from flame.ops.rwkv6.decode_step import rwkv6_decode_step
@@ -285,7 +285,7 @@ def test_cuda_graph_step_equals_the_eager_step_in_bf16(family):
 def test_decoding_tokens_never_waits_for_the_device(family):
     """The per-token work of generate (graph replay, sampling with every option, repetition
     bookkeeping) runs under torch's sync debug mode "error": no host sync."""
-    from flame.generate import sample_next
+    from flame.inference.generation import sample_next
 
     model = trained_like(family, device="cuda", backend="triton").to(torch.bfloat16)
     prompt = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()

@@ -8,12 +8,14 @@ from __future__ import annotations
 import io
 import json
 import math
+import runpy
+import sys
 
 import pytest
 import torch
 
 from flame.data.tokenizer import load_tokenizer
-from flame.eval import evaluate, lm_metrics, main
+from flame.inference.evaluation import evaluate, lm_metrics, main
 from tests.models.test_decoding import trained_like
 
 DOCS = ["To be, or not to be: that is the question.", "Überall — 日本語 🙂 and more words here", "Short."]
@@ -113,6 +115,14 @@ def test_command_line_errors_are_one_line(argv, message, capsys):
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and message in captured.err and "Traceback" not in captured.err
 
+
+
+def test_python_m_flame_eval_runs_the_command_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["flame.eval", "--model", "/nonexistent/model", "--data", __file__])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("flame.eval", run_name="__main__")
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.startswith("flame.eval: error: model folder /nonexistent/model does not exist")
 
 def test_command_line_evaluates_a_trained_checkpoint(tmp_path, capsys):
     pytest.importorskip("flame.export")

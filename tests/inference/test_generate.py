@@ -6,13 +6,15 @@ and the command line reports bad input in one line."""
 from __future__ import annotations
 
 import io
+import runpy
+import sys
 
 import pytest
 import torch
 
 from flame.data.tokenizer import load_tokenizer
-from flame.generate import TextStream, generate, main, sample_next
-from flame.inference import InferenceError
+from flame.inference.generation import TextStream, generate, main, sample_next
+from flame.inference.load import InferenceError
 from tests.models.helpers import FAMILIES
 from tests.models.test_decoding import trained_like
 
@@ -193,6 +195,14 @@ def test_command_line_errors_are_one_line(argv, message, capsys):
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and message in captured.err and "Traceback" not in captured.err
 
+
+
+def test_python_m_flame_generate_runs_the_command_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["flame.generate", "--model", "/nonexistent/model", "--prompt", "hi"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("flame.generate", run_name="__main__")
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.startswith("flame.generate: error: model folder /nonexistent/model does not exist")
 
 def test_command_line_generates_from_a_trained_checkpoint(tmp_path, capsys):
     pytest.importorskip("flame.export")

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from flame.generate import generate
+from flame.inference.generation import generate
 from tests.models.helpers import FAMILIES, tiny_args
 from tests.models.test_decoding import trained_like
 

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from flame.models.compiled import compiled_blocks
+from flame.inference.compiled import compiled_blocks
 from flame.models.state import LayerState
 
 WARMUP_STEPS = 2
@@ -139,7 +139,7 @@ class Decoder:
 
 PREFILL_SEGMENT = 2048
 """Tokens per compiled prefill call: a [B, T] prompt runs as T // PREFILL_SEGMENT segments of this
-length through the compiled blocks (one graph per batch size, flame.models.compiled), and the rest
+length through the compiled blocks (one graph per batch size, flame.inference.compiled), and the rest
 of T eagerly. Shorter prompts run eagerly: compiling a graph costs far more than they take."""
 
 

@@ -1,5 +1,5 @@
 """A model's blocks through torch.compile for inference: the forwards of `flame.eval` and of a
-prompt's prefill (flame.models.decoder.prefill) at the speed of the training step's forward.
+prompt's prefill (flame.inference.decoder.prefill) at the speed of the training step's forward.
 
 The trainer compiles each block (flame.train.parallelize): Inductor fuses the projections, norms and
 token-shift lerps around the chunk ops, which are custom ops and stay one opaque node each (a

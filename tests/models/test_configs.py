@@ -14,8 +14,10 @@ from flame.models import build_model
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
 # Official RWKV7 LoRA ranks (decay, a, v, gate) by width: docs/kernels.md#rwkv7-lora-ranks table, plus C = 128
-# (2.5*sqrt(128)/32 = 0.88 -> 1, 1.7*sqrt(128)/32 = 0.60 -> 1, 5*sqrt(128)/32 = 1.77 -> 2).
-RWKV7_RANKS = {128: (32, 32, 32, 64), 1024: (64, 64, 64, 160), 2048: (128, 128, 64, 224)}
+# (2.5*sqrt(128)/32 = 0.88 -> 1, 1.7*sqrt(128)/32 = 0.60 -> 1, 5*sqrt(128)/32 = 1.77 -> 2) and C = 768
+# (2.5*sqrt(768)/32 = 2.17 -> 2, 1.7*sqrt(768)/32 = 1.47 -> 1, 5*sqrt(768)/32 = 4.33 -> 4).
+RWKV7_RANKS = {128: (32, 32, 32, 64), 768: (64, 64, 32, 128), 1024: (64, 64, 64, 160),
+               2048: (128, 128, 64, 224)}
 RWKV6_FFN = {1024: 3584, 2048: 7168}  # 3.5 C rounded down to 32
 GSA_FFN = {1024: 2816, 2048: 5632}  # 8/3 C rounded up to 256
 
@@ -73,6 +75,13 @@ def test_config_sizes_match_the_issue():
     for path in CONFIGS:
         cfg = load_config(["--config", str(path)])
         m, t = cfg.model, cfg.training
+        if path.stem == "rwkv7_rwkvlm_demo":
+            # RWKV-LM's demo shape; its trainer counts 191,084,544 parameters, layer 0's unused
+            # value-residual LoRA (C + 2 x C x 32) included
+            assert (m.family, m.vocab_size, m.hidden_size, m.num_layers, m.head_dim) == ("rwkv7", 65536, 768, 12, 64)
+            assert COUNTS["rwkv7"](m) == 191_084_544 - (768 + 2 * 768 * 32)
+            assert (t.seq_len, t.batch_size, t.activation_checkpoint) == (512, 16, "none")
+            continue
         if path.stem == "tiny":
             assert m.family == "rwkv7" and m.vocab_size == 8192 and cfg.data.dataset == "embedded"
             assert 1e6 <= COUNTS["rwkv7"](m) <= 1e7, "tiny should have a few million parameters"

@@ -16,7 +16,7 @@ from flame.config.loader import config_from_dict
 from flame.train import compile_cache
 from flame.train.compile_cache import (CompileCache, cache_folder, count_entries, fingerprint, point_caches_at,
                                        source_fingerprint)
-from flame.train.parallel import recompute_elementwise
+from flame.train.activation_checkpoint import recompute_elementwise
 from tests.train.helpers import tiny_config
 
 VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")

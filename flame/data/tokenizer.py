@@ -73,11 +73,17 @@ class RwkvWorldTokenizer(Tokenizer):
             raise DataError(
                 f"data.tokenizer = {source!r} needs the rwkv package (pip install rwkv): {err}"
             ) from err
+        self.vocab_file = vocab_file
         self.backend = TRIE_TOKENIZER(str(vocab_file))
         self.eod_id = 0
         self.source = source
         self.vocab_size = RWKV_WORLD_VOCAB_SIZE
         self.fingerprint = hashlib.sha256(vocab_file.read_bytes()).hexdigest()
+
+    def __reduce__(self):
+        # Rebuilt from its vocabulary file: worker processes get it cheaply, and `datasets` hashes
+        # the same tokenizer to the same fingerprint (so its tokenization cache is reused).
+        return (type(self), (self.vocab_file, self.source))
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text)

@@ -97,3 +97,8 @@ def test_rwkv_world_tokenizer_round_trips_and_ends_documents_with_zero(tmp_path)
     assert load_tokenizer(str(vocab)).fingerprint == world.fingerprint
     with pytest.raises(DataError, match="does not exist"):
         load_tokenizer(str(tmp_path / "rwkv_vocab_v20230424.txt"))
+    # pickled as its vocabulary file (worker processes, the datasets cache key), not as its trie
+    import pickle
+
+    data = pickle.dumps(world)
+    assert len(data) < 1000 and pickle.loads(data).encode(text) == ids

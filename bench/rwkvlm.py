@@ -89,6 +89,20 @@ def set_rwkvlm_environment(head_size: int, ctx_len: int, kernel: str, jit: bool)
     })
 
 
+@contextlib.contextmanager
+def _in_train_temp():
+    """sys.path and the working directory set to RWKV-LM's train_temp folder, as its train.py runs
+    (its load() calls name the CUDA sources relative to it); the directory restored after."""
+    folder = rwkvlm_dir()
+    cwd = os.getcwd()
+    sys.path.insert(0, str(folder))
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+
+
 class _Built(Exception):
     """Raised by `_build_one` once its extension is built, to end the import there."""
 
@@ -113,13 +127,11 @@ def _build_one(index: int | None, kernel: str) -> int:
     cpp_extension.load = load
     torch.library.register_autograd = lambda *a, **k: None
     torch.jit.script = lambda fn, *a, **k: fn
-    folder = rwkvlm_dir()
-    sys.path.insert(0, str(folder))
-    os.chdir(folder)
-    try:
-        import src.model  # noqa: F401
-    except _Built:
-        pass
+    with _in_train_temp():
+        try:
+            import src.model  # noqa: F401
+        except _Built:
+            pass
     return len(calls)
 
 
@@ -151,16 +163,10 @@ def import_rwkvlm(head_size: int, ctx_len: int, *, kernel: str = "@rwkv3", jit: 
     environment variables set first; its CUDA extensions built from its `cuda/` folder)."""
     if not torch.cuda.is_available():
         raise RwkvLmMissing("RWKV-LM's trainer needs a CUDA GPU")
-    folder = rwkvlm_dir()
     set_rwkvlm_environment(head_size, ctx_len, kernel, jit)
-    cwd = os.getcwd()
-    sys.path.insert(0, str(folder))
-    try:
-        os.chdir(folder)  # its load() calls name the sources relative to train_temp
+    with _in_train_temp():
         import src.model as model_module
         import src.trainer as trainer_module
-    finally:
-        os.chdir(cwd)
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -301,6 +307,7 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
     update is lr x sign(gradient) per element, so there the relative RMS of the parameters
     measures sign disagreements of near-zero gradients, not the size of the update)."""
     from flame.train.gradients import clip_grad_norm
+    from flame.train.loss import IGNORE_INDEX
     from flame.train.lr_schedule import build_lr_scheduler
     from flame.train.optimizer import build_optimizer
     from flame.weights.foreign import read_exported
@@ -336,7 +343,7 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
         return rwkv_named({n: p.detach().clone() for n, p in model.named_parameters()})
 
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    n_tokens = int((labels != -100).sum())
+    n_tokens = int((labels != IGNORE_INDEX).sum())
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(input_ids.cuda(), labels=labels.cuda(), loss_scale=1.0 / n_tokens)
     loss.backward()
@@ -352,26 +359,22 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
     after_reference_grads = flame_step(reference_in_flame_names)
 
     compared = [n for n in reference_grads if n in flame_grads]
-    initial = torch.load(init, map_location="cpu", weights_only=True)
+    initial = rwkv_named(start)  # RWKV-LM's names and shapes, like every dict compared below
     zero_start = [n for n in compared if not initial[n].any()]
 
     def sign_flips(name: str) -> float:
         """Fraction of elements whose update has the other sign in the other trainer."""
-        start_value = initial[name].float().cuda().reshape(reference_masters[name].shape)
-        ours = torch.sign(after_own[name].reshape(start_value.shape) - start_value)
-        theirs = torch.sign(reference_masters[name] - start_value)
+        ours = torch.sign(after_own[name] - initial[name])
+        theirs = torch.sign(reference_masters[name] - initial[name])
         return (ours != theirs).float().mean().item()
 
     return {
         "lr": lr,
         "loss": {"flame": float(loss.item()), "rwkvlm": loss_reference,
                  "relative": abs(float(loss.item()) - loss_reference) / loss_reference},
-        "grad": {n: relative_rms(flame_grads[n].reshape(reference_grads[n].shape), reference_grads[n])
-                 for n in compared},
-        "step": {n: relative_rms(after_own[n].reshape(reference_masters[n].shape), reference_masters[n])
-                 for n in compared},
-        "optimizer": {n: relative_rms(after_reference_grads[n].reshape(reference_masters[n].shape),
-                                      reference_masters[n]) for n in compared},
+        "grad": {n: relative_rms(flame_grads[n], reference_grads[n]) for n in compared},
+        "step": {n: relative_rms(after_own[n], reference_masters[n]) for n in compared},
+        "optimizer": {n: relative_rms(after_reference_grads[n], reference_masters[n]) for n in compared},
         "zero_start_sign_flips": {n: sign_flips(n) for n in zero_start},
         "not_compared": sorted(set(reference_masters) - set(compared)),
     }
@@ -447,8 +450,7 @@ def train(cfg, init: str, out: Path, steps: int, *, kernel: str, jit: bool, log=
 
 
 def tail_mean(rows: list[dict], fraction: float = 0.1) -> float:
-    """Mean loss over the last `fraction` of the logged steps."""
-    rows = sorted(rows, key=lambda r: r["step"])
+    """Mean loss over the last `fraction` of the logged steps (`rows` in step order)."""
     last = rows[-max(1, math.ceil(len(rows) * fraction)):]
     return sum(r["loss"] for r in last) / len(last)
 
@@ -468,12 +470,10 @@ def report(runs: list[Path], out: Path | None, smooth: int = 20, max_step: int =
     curves = {}
     for run in runs:
         path = run / "metrics.jsonl" if run.is_dir() else run
-        rows = sorted({r["step"]: r for r in read_metrics(path)
-                       if "loss" in r and (max_step <= 0 or r["step"] <= max_step)}.values(),
-                      key=lambda r: r["step"])
+        rows = [r for r in read_metrics(path) if max_step <= 0 or r["step"] <= max_step]
         name = path.parent.name
         curves[name] = rows
-        memory = max((r.get("memory_gib", r.get("max_memory_gib", 0.0)) or 0.0) for r in rows)
+        memory = max(r.get("memory_gib") or 0.0 for r in rows)
         lines.append(f"| {name} | {rows[-1]['step']} | {rows[-1].get('tokens', 0):,} | "
                      f"{tail_mean(rows):.4f} | {median_speed(rows):,.0f} | {memory:.1f} |")
     if out is not None:

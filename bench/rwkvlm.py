@@ -274,16 +274,23 @@ def write_init(cfg, seed: int, out: str | Path) -> None:
     """RWKV-LM's initial weights for the config's model shape: `generate_init_weight` after
     seeding torch with `seed` (train.py's --random_seed), saved as its train.py saves them (bf16)."""
     args = rwkvlm_args(cfg.model, cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
+    start = time.time()
     model_module, _ = import_rwkvlm(cfg.model.head_dim, cfg.training.seq_len)
+    imported = time.time()
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
     # On the GPU, so that the orthogonal init of the head (a QR of a vocab x width matrix, done on
     # whatever device the parameter is on) is not a many-threaded CPU QR.
     model = model_module.RWKV(args).cuda()
+    built = time.time()
     with contextlib.redirect_stdout(sys.stderr):
         weights = model.generate_init_weight()
+    generated = time.time()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, out)
+    print(f"RWKV-LM init (seed {seed}): import and kernels {imported - start:.1f} s, model "
+          f"{built - imported:.1f} s, generate_init_weight {generated - built:.1f} s, save "
+          f"{time.time() - generated:.1f} s", file=sys.stderr)
 
 
 def relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:

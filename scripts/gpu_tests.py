@@ -7,7 +7,8 @@ the tests of PYTEST_ARGS are collected and dealt round robin to --groups pytest 
 at once (a file's slow GPU-only tests sit next to each other: a contiguous split would put them in
 one group). Each process is killed after --timeout seconds. The summary, also written to
 <out>/<name>.log, gives per group its pytest summary line, or "TIMED OUT" with the ids it did not
-finish, then the failed tests and the first error lines of each group. Exit status 0 only when
+finish, then the failed tests and the first error lines of each group; each group's whole log is
+<out>/<name>-group<i>.log. --gpus N deals the processes over N GPUs. Exit status 0 only when
 every collected test passed or was skipped.
 """
 
@@ -19,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,13 +33,18 @@ def collect(pytest_args: list[str]) -> list[str]:
     return [line for line in listing.stdout.splitlines() if "::" in line]
 
 
-def run_groups(groups: list[list[str]], timeout: float, work: Path) -> list[tuple[list[str], str, bool]]:
-    """Run each group of ids in its own pytest process, all at once; (ids, log text, timed out)."""
+def run_groups(groups: list[list[str]], timeout: float, logs: Path, name: str,
+               gpus: int = 1) -> list[tuple[list[str], str, bool]]:
+    """Run each group of ids in its own pytest process, all at once, group i on GPU i % gpus (when
+    gpus > 1); each writes logs/<name>-group<i>.log as it goes. Returns (ids, log text, timed out)."""
     running = []
     for i, ids in enumerate(groups):
-        log = work / f"group{i}.log"
+        log = logs / f"{name}-group{i}.log"
+        env = dict(os.environ)
+        if gpus > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
         with open(log, "wb") as out:
-            proc = subprocess.Popen([*PYTEST, "-q", "-rf", "--tb=short", *ids], stdout=out,
+            proc = subprocess.Popen([*PYTEST, "-q", "-rf", "--tb=short", *ids], stdout=out, env=env,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         running.append((ids, log, proc))
     deadline = time.monotonic() + timeout
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="name of this batch of tests (the log's name)")
     parser.add_argument("--groups", type=int, default=8, help="pytest processes run at once")
     parser.add_argument("--timeout", type=float, default=300, help="seconds each process may run")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="deal the groups over this many GPUs (CUDA_VISIBLE_DEVICES per process)")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"),
                         help="folder of the summary log (default: $OUT, else /tmp/out)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, metavar="PYTEST_ARGS ...",
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the tests to run (PYTEST_ARGS)")
     if args.groups < 1:
         parser.error(f"--groups must be >= 1, got {args.groups}")
+    if args.gpus < 1:
+        parser.error(f"--gpus must be >= 1, got {args.gpus}")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 1
     groups = [group for group in (ids[i::args.groups] for i in range(args.groups)) if group]
-    with tempfile.TemporaryDirectory() as work:
-        results = run_groups(groups, args.timeout, Path(work))
+    results = run_groups(groups, args.timeout, out, args.name, args.gpus)
     text, ok = summarize(args.name, len(ids), args.groups, args.timeout, results)
     (out / f"{args.name}.log").write_text(text + "\n")
     print(text)

@@ -17,9 +17,14 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"
 # (2.5*sqrt(128)/32 = 0.88 -> 1, 1.7*sqrt(128)/32 = 0.60 -> 1, 5*sqrt(128)/32 = 1.77 -> 2) and C = 768
 # (2.5*sqrt(768)/32 = 2.17 -> 2, 1.7*sqrt(768)/32 = 1.47 -> 1, 5*sqrt(768)/32 = 4.33 -> 4).
 RWKV7_RANKS = {128: (32, 32, 32, 64), 768: (64, 64, 32, 128), 1024: (64, 64, 64, 160),
-               2048: (128, 128, 64, 224)}
-RWKV6_FFN = {1024: 3584, 2048: 7168}  # 3.5 C rounded down to 32
+               2048: (128, 128, 64, 224), 2560: (128, 128, 96, 256), 4096: (160, 160, 96, 320)}
+RWKV6_FFN = {1024: 3584, 2048: 7168, 2560: 8960}  # 3.5 C rounded down to 32
 GSA_FFN = {1024: 2816, 2048: 5632}  # 8/3 C rounded up to 256
+SIZES = {"340M": (1024, 24), "1B": (2048, 24), "3B": (2560, 32), "7B": (4096, 32)}
+"""(hidden size, layers) of each size in the shipped configs' names; 3B and 7B are the shapes of
+the published RWKV-7 2.9B and 7.2B and RWKV-6 Finch 3B models."""
+PARAMETERS = {"rwkv7_3B": 2_781_109_760, "rwkv7_7B": 6_899_249_152, "rwkv6_3B": 2_928_158_720}
+"""The parameter counts that the large configs' guides state."""
 
 
 def rwkv7_count(m) -> int:
@@ -55,7 +60,8 @@ COUNTS = {"rwkv7": rwkv7_count, "rwkv6": rwkv6_count, "gsa": gsa_count}
 
 def test_every_expected_config_exists():
     names = {p.stem for p in CONFIGS}
-    expected = {"tiny"} | {f"{f}_{s}" for f in ("rwkv6", "rwkv7", "gsa") for s in ("340M", "1B")}
+    expected = {"tiny", "rwkv7_3B", "rwkv7_7B", "rwkv6_3B"} | {
+        f"{f}_{s}" for f in ("rwkv6", "rwkv7", "gsa") for s in ("340M", "1B")}
     assert expected <= names, f"missing configs: {sorted(expected - names)}"
 
 
@@ -88,13 +94,23 @@ def test_config_sizes_match_the_issue():
             assert cfg.job.dump_folder == "outputs/tiny" and t.device == "auto"
             continue
         family, size = path.stem.split("_")
-        assert m.family == family and m.vocab_size == 32000 and t.seq_len == 2048 and m.num_layers == 24
-        assert m.hidden_size == {"340M": 1024, "1B": 2048}[size]
+        assert m.family == family and m.vocab_size == 32000 and t.seq_len == 2048
+        assert (m.hidden_size, m.num_layers) == SIZES[size]
         if family == "gsa":
             assert (m.num_heads, m.num_slots) == (4, 64)
         else:
             assert m.head_dim == 64
         assert t.mixed_precision_param == "bfloat16" and t.max_norm == 1.0 and cfg.metrics.log_freq == 10
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_the_large_configs_state_their_parameter_count(name):
+    """The guide's count is the model's, built on the meta device from the config."""
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.toml"
+    with torch.device("meta"):
+        model = build_model(load_config(["--config", str(path)]).model)
+    assert model.num_params() == PARAMETERS[name]
+    assert f"{PARAMETERS[name]:,} parameters" in path.read_text().split("[job]")[0]
 
 
 @pytest.mark.parametrize("overrides, expected", [({}, (False, False)), ({"cache_intermediates": True}, (True, False)),

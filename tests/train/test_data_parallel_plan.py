@@ -3,6 +3,8 @@ when a replica's estimated peak fits in the free memory of the GPU with the leas
 does not, held or freed FSDP weights by the same estimate, and the user's choice when the config
 makes one. The GPUs are a fake 79 GiB free (an 80 GB H100 once its CUDA context is made)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from flame.models import build_model
 from flame.train import data_parallel_plan, memory_estimate
 
 H100_FREE = 79 * 2**30
+REPO = Path(__file__).resolve().parents[2]
 
 
 def config(name: str, *overrides: str):
@@ -33,11 +36,10 @@ def plan(cfg, world_size: int, free=H100_FREE) -> data_parallel_plan.DataParalle
     return data_parallel_plan.plan_data_parallel(cfg, world_size, params_of(cfg), free)
 
 
-# issue 39's runs on H100s: RWKV7 at 6.9B (hidden 4096) and at 2.9B (hidden 2560), 32 layers, batch 2
-RWKV7_7B = ("rwkv7_1B", "--model.hidden_size", "4096", "--model.num_layers", "32", "--training.batch_size", "2",
-            "--training.gradient_accumulation_steps", "4", "--training.activation_checkpoint", "elementwise")
-RWKV7_3B = ("rwkv7_1B", "--model.hidden_size", "2560", "--model.num_layers", "32", "--training.batch_size", "2",
-            "--training.gradient_accumulation_steps", "8", "--training.activation_checkpoint", "elementwise")
+# The shipped configs of issue 39's runs on H100s: RWKV7 at 6.9B (hidden 4096) and at 2.9B (hidden
+# 2560), 32 layers, batch 2 x 2048, "elementwise" (the runs took rwkv7_1B.toml with these overrides)
+RWKV7_7B = ("rwkv7_7B",)
+RWKV7_3B = ("rwkv7_3B",)
 
 
 def test_the_7b_model_on_four_gpus_is_sharded_with_freed_weights():
@@ -57,12 +59,43 @@ def test_the_7b_model_on_four_gpus_is_sharded_with_freed_weights():
     assert chosen.warnings == ()
 
 
-@pytest.mark.parametrize("name", ["rwkv7_340M", "rwkv6_340M", "gsa_340M", "rwkv7_1B", "rwkv6_1B", "gsa_1B"])
+@pytest.mark.parametrize("name", ["rwkv7_340M", "rwkv6_340M", "gsa_340M", "rwkv7_1B", "rwkv6_1B", "gsa_1B",
+                                  "rwkv7_3B", "rwkv6_3B"])
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_the_shipped_configs_are_replicated(name, gpus):
     chosen = plan(config(name), gpus)
     assert (chosen.replicate, chosen.shard) == (gpus, 1)
     assert chosen.reason.endswith(" fit") and "replicas " in chosen.reason
+
+
+def guide(name: str) -> str:
+    """The opening comment of configs/<name>.toml as one line."""
+    header = (REPO / "configs" / f"{name}.toml").read_text().split("\n[")[0]
+    return " ".join(line.removeprefix("#").strip() for line in header.splitlines())
+
+
+@pytest.mark.parametrize("name", ["rwkv7_3B", "rwkv6_3B"])
+def test_the_3b_guides_quote_the_replica_estimate_that_flame_chooses_on_four_gpus(name):
+    cfg = config(name)
+    replica = memory_estimate.replicated(cfg, params_of(cfg), 4)
+    assert plan(cfg, 4).shard == 1
+    assert f"a replica's estimated peak is {memory_estimate.gib(replica.total)} GiB" in guide(name)
+
+
+def test_the_7b_guide_quotes_the_estimates_that_choose_freed_weights_on_four_gpus_and_held_on_sixteen():
+    cfg, text = config(*RWKV7_7B), guide("rwkv7_7B")
+    params = params_of(cfg)
+    gib = memory_estimate.gib
+    assert f"a replica ({gib(memory_estimate.replicated(cfg, params, 4).total)} GiB)" in text
+    assert f"FSDP over 4 with held weights ({gib(memory_estimate.fsdp(cfg, params, 4, True).total)} GiB)" in text
+    assert f"({gib(memory_estimate.fsdp(cfg, params, 4, False).total)} GiB estimated)" in text
+    assert plan(cfg, 8).hold_weights is False and plan(cfg, 16).hold_weights is True
+    assert f"({gib(memory_estimate.fsdp(cfg, params, 16, True).total)} GiB estimated on 16)" in text
+    full = config(*RWKV7_7B, "--training.activation_checkpoint", "full")
+    two = plan(full, 2)
+    assert (two.shard, two.hold_weights, two.warnings) == (-1, False, ())
+    assert f"freed weights, {gib(memory_estimate.fsdp(full, params, 2, False).total)} GiB estimated)" in text
+    assert plan(cfg, 2).warnings  # the guide's advice for 2 GPUs: the config as it is does not fit
 
 
 def test_the_3b_model_on_two_gpus_is_replicated_and_holds_its_weights_when_sharded():
@@ -92,7 +125,8 @@ def test_the_config_forces_either_path_and_a_replicate_degree_keeps_hsdp():
         return chosen.replicate, chosen.shard
 
     assert split("--parallel.data_parallel_shard_degree", "4") == (1, 4)  # FSDP over 4
-    assert split(*RWKV7_7B[1:], "--parallel.data_parallel_shard_degree", "1") == (8, 1)  # replicas anyway
+    seven_b = plan(config(*RWKV7_7B, "--parallel.data_parallel_shard_degree", "1"), 8)
+    assert (seven_b.replicate, seven_b.shard) == (8, 1)  # replicas anyway
     assert split("--parallel.data_parallel_replicate_degree", "2") == (2, -1)  # HSDP 2 x 4
     assert split("--parallel.data_parallel_replicate_degree", "2", world=2) == (2, -1)  # nothing to shard
 

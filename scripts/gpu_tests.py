@@ -35,14 +35,16 @@ def collect(pytest_args: list[str]) -> list[str]:
 
 def run_groups(groups: list[list[str]], timeout: float, logs: Path, name: str,
                gpus: int = 1) -> list[tuple[list[str], str, bool]]:
-    """Run each group of ids in its own pytest process, all at once, group i on GPU i % gpus (when
-    gpus > 1); each writes logs/<name>-group<i>.log as it goes. Returns (ids, log text, timed out)."""
+    """Run each group of ids in its own pytest process, all at once, group i on the (i % gpus)-th
+    GPU (of CUDA_VISIBLE_DEVICES where it is set) when gpus > 1; each writes logs/<name>-group<i>.log as it goes. Returns (ids, log text, timed out)."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    devices = visible[:gpus] if visible else [str(d) for d in range(gpus)]
     running = []
     for i, ids in enumerate(groups):
         log = logs / f"{name}-group{i}.log"
         env = dict(os.environ)
         if gpus > 1:
-            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
         with open(log, "wb") as out:
             proc = subprocess.Popen([*PYTEST, "-q", "-rf", "--tb=short", *ids], stdout=out, env=env,
                                     stderr=subprocess.STDOUT, start_new_session=True)

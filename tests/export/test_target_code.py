@@ -125,7 +125,8 @@ def official_logits(exports, tmp_path_factory):
               if isinstance(exports[model_name(*m)]["rwkv"], Path)]
     tokens = ",".join(map(str, TOKENS[0].tolist()))
     result = subprocess.run([sys.executable, "-m", "tests.export.official_rwkv", tokens, str(out), *models],
-                            capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(out)
 

@@ -4,7 +4,8 @@ The chunked ops reach torch.compile as custom ops (torch.ops.flame.chunk_<family
 block is one graph. With the op behind a graph break instead, saving the compiled backward of the region
 beside it to the AOTAutograd cache crashes the process (SIGSEGV in the cache entry's pickling, on the
 first backward, on an H100): the RWKV7 test runs Inductor with that cache on. The runs happen in
-subprocesses so that a crash fails a test instead of the test session.
+subprocesses so that a crash fails a test instead of the test session. The Triton backend runs on
+the GPU where there is one, under Triton's interpreter on CPU otherwise.
 """
 
 import subprocess
@@ -15,18 +16,20 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     import torch._functorch.config as fconfig
     fconfig.enable_autograd_cache = True
     from flame import ops
     from tests.models.helpers import build_seeded, tiny_args
     ops.set_value_checks(False)
     args = tiny_args("rwkv7", hidden_size=32, head_dim=16, num_layers=2, backend="triton")
-    ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(0)).to(device)
     grads = []
     for compiled in (False, True):
-        model = build_seeded(args)
+        model = build_seeded(args).to(device)
         if compiled:
             for block in model.layers:
                 block.compile(fullgraph=True)
@@ -50,17 +53,19 @@ def test_rwkv6_and_gsa_blocks_compile_into_one_graph_and_train_like_eager():
     too); aot_eager keeps it fast while still running the traced forward and backward graphs."""
     script = textwrap.dedent("""
         import os
-        os.environ["TRITON_INTERPRET"] = "1"
         import torch
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         from flame import ops
         from tests.models.helpers import build_seeded, tiny_args
         ops.set_value_checks(False)
         for family in ("rwkv6", "gsa"):
             args = tiny_args(family, hidden_size=32, num_layers=1, backend="triton")
-            ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(0))
+            ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(0)).to(device)
             grads = []
             for compiled in (False, True):
-                model = build_seeded(args)
+                model = build_seeded(args).to(device)
                 if compiled:
                     for block in model.layers:
                         block.compile(fullgraph=True, backend="aot_eager")
@@ -89,13 +94,14 @@ def test_deep_model_compiles_each_block_kind_once(family):
 
     torch._dynamo.reset()
     counters.clear()
-    model = build_seeded(tiny_args(family, hidden_size=32, num_layers=10, backend="triton"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: conftest.py set the interpreter
+    model = build_seeded(tiny_args(family, hidden_size=32, num_layers=10, backend="triton")).to(device)
     for block in model.layers:
         block.compile(backend="eager", fullgraph=True)
     previous = ops.utils.checks.value_checks_enabled()
     ops.set_value_checks(False)
     try:
-        model(torch.randint(0, 97, (1, 17), generator=torch.Generator().manual_seed(0))).sum().backward()
+        model(torch.randint(0, 97, (1, 17), generator=torch.Generator().manual_seed(0)).to(device)).sum().backward()
     finally:
         ops.set_value_checks(previous)
         torch._dynamo.reset()

@@ -349,10 +349,20 @@ def test_gpu_varlen_gqa_fp32():
         check_against_naive(op, inputs, cu_seqlens=cu)
 
 
+def assert_same_forward(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bitwise under the interpreter (the same numpy operations); on the GPU the kernel compiled
+    without the z store is another binary, whose compiler may contract multiply-adds differently,
+    so there the two agree to fp32 rounding."""
+    if DEVICE == "cpu":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_inference_stores_no_slot_scores():
     """Without autograd (eval, prefill) the fixed-length custom op returns an empty z (only the
-    backward reads the slot scores), and the output and final states equal the training forward's,
-    bitwise, on the custom op and on the varlen path."""
+    backward reads the slot scores), and the output and final states equal the training forward's
+    (bitwise on CPU, to fp32 rounding on the GPU), on the custom op and on the varlen path."""
     inputs = gsa_inputs(B=2, T=40)
     args = dict(scale=0.5, output_final_state=True)
     o, (hk, hv) = chunk_gsa_triton(**inputs, **args)
@@ -363,7 +373,7 @@ def test_inference_stores_no_slot_scores():
         outs = torch.ops.flame.chunk_gsa_fwd(q, k, v, s, g, hk0, hv0, 0.5, True, 64, False)
         assert outs[3].numel() == 0 and outs[4].shape == (*q.shape[:3], s.shape[-1])
     for got, expected in ((o_ng, o), (hk_ng, hk), (hv_ng, hv)):
-        assert torch.equal(got, expected.detach())
+        assert_same_forward(got, expected.detach())
 
     lengths = [7, 33]
     cu = make_cu_seqlens(lengths, device=DEVICE)
@@ -372,4 +382,4 @@ def test_inference_stores_no_slot_scores():
     with torch.no_grad():
         o_ng, (hk_ng, hv_ng) = chunk_gsa_triton(**packed, **args, cu_seqlens=cu)
     for got, expected in ((o_ng, o), (hk_ng, hk), (hv_ng, hv)):
-        assert torch.equal(got, expected.detach())
+        assert_same_forward(got, expected.detach())

@@ -4,7 +4,7 @@ launched as a user launches flame (launch/train.sh, torchrun). PASS or FAIL per 
 status 0 only when every selected check passed.
 
     python -m bench.dp_proofs [--checks hsdp_nodes,preempt_fsdp,preempt_replicas,kill_rank]
-        [--nproc 4] [--config configs/tiny.toml] [--steps 16] [--device cuda|cpu]
+        [--nproc 4] [--config configs/tiny.toml] [--steps 20] [--device cuda|cpu]
         [--collective-timeout-minutes 0.5] [--out outputs/dp_proofs] [--timeout 300]
         [--section.key value ...]
 
@@ -23,8 +23,9 @@ The checks:
                     host (two launch/train.sh with NNODE=2, NODE_RANK=0|1 and NGPU=P/2, the GPUs
                     split by CUDA_VISIBLE_DEVICES), against one rank with P times the config's
                     gradient accumulation: the same samples in every optimizer step (below). Each
-                    step's token count must be equal, its loss and gradient norm equal to a
-                    relative RTOL_FP32 (RTOL_BF16 where the config computes in bf16 on GPUs).
+                    step's token count must be equal, its loss and gradient norm equal within the
+                    relative bounds FP32_BOUNDS (BF16_BOUNDS where the config computes in bf16 on
+                    GPUs): tight at step 1, from the same weights; looser after it (below).
   preempt_fsdp      FSDP over P ranks: the uninterrupted run, then the same run with checkpoints
                     sent SIGUSR1 (to torchrun) once half its steps are logged. Every rank must stop
                     at the same step and write its part of that step's checkpoint, the only
@@ -51,11 +52,17 @@ every W-th). The step's loss is the sum of its tokens' cross-entropies over the 
 first epoch (per_rank = windows // W differs from the one rank's count after it); the runs read a
 small part of one.
 
-RTOL_FP32 = 1e-5: the fp32 sums of one step in another order differ by a few ulps (about 1e-7
-relative); the weights that differ by as much after the first update carry it through the later
-steps, where it grows by orders of magnitude less than a different sample would move the loss
-(1e-2 and more). RTOL_BF16 = 2e-2: FSDP gathers every parameter in bf16 while one rank keeps the
-vectors in fp32 (tests/train/test_two_gpus.py).
+FP32_BOUNDS. Step 1 starts from the same weights on the same samples, so only the order of the
+fp32 sums differs: loss and gradient norm within 1e-6 (a few ulps; configs/tiny.toml on 4 CPU
+processes: 1.1e-7 and 3.7e-7). Its update leaves the weights that far apart, and AdamW turns a
+gradient that close to zero into a whole step of either sign, so the runs drift apart step by step,
+the gradient norm (a sum over components that such steps reach) faster than the loss: over 20
+steps the same CPU runs differ by at most 3.3e-6 in the loss and 5.0e-3 in the norm. Every step's
+bounds: loss 1e-4 (tests/train/test_two_gpus.py's REPLICA_TOLERANCES, fp32 sums in another order on
+GPUs), gradient norm 2e-2. A sample that is not the same moves a step's loss by 1e-2 and more, and
+a gradient summed where it should be averaged multiplies the norm by the rank count. BF16_BOUNDS
+(2e-2 loss, 5e-2 norm at every step, tests/train/step_check.py's GPU_TOLERANCES): FSDP gathers
+every parameter in bf16, where one rank keeps the vectors in fp32 (tests/train/test_two_gpus.py).
 
 The runs: --config (configs/tiny.toml: a 2.6M-parameter RWKV7 with fp32 weights and compute and
 compile off, so each run takes seconds beyond its start and the comparison is fp32 against fp32),
@@ -85,8 +92,9 @@ from bench.timing import versions
 from flame.run_metrics import MetricsFileError
 
 CHECKS = ("hsdp_nodes", "preempt_fsdp", "preempt_replicas", "kill_rank")
-RTOL_FP32 = 1e-5
-RTOL_BF16 = 2e-2
+FP32_BOUNDS = {"loss": (1e-6, 1e-4), "grad_norm": (1e-6, 2e-2)}
+"""Relative bounds of hsdp_nodes (at step 1, at every step) in fp32 (module docstring)."""
+BF16_BOUNDS = {"loss": (2e-2, 2e-2), "grad_norm": (5e-2, 5e-2)}
 STOP_GRACE_S = 15.0
 """Seconds beyond the collective timeout for a rank to stop: NCCL's watchdog notices a timed-out
 collective within its poll, then the process aborts and torchrun sees it go."""
@@ -95,7 +103,7 @@ FAILURE_LINE = re.compile(r"rank (\d+): (?:a collective failed after step|no ste
                           r"[\d.]+ min since step) (\d+)")
 """flame's error (flame.train.parallel.collective_failure) or, before NCCL's watchdog aborts the
 process, its warning (flame.train.preemption.StallWarning): the rank and its last finished step."""
-RESUMED_LINE = re.compile(r"resumed from \S+/step-(\d+): step (\d+)")
+RESUMED_LINE = re.compile(r"resumed from .*?step-(\d+): step (\d+)")
 
 
 def keys(args, dump: Path, extra: list[str]) -> list[str]:
@@ -126,9 +134,9 @@ def require_kind(launched: Launched, expected: str, name: str) -> str:
 
 # ---- hsdp_nodes ----------------------------------------------------------------------------------
 
-def compare_steps(reference: list[dict], other: list[dict], rtol: float) -> dict:
-    """Step by step: the token counts, which must be equal, and the largest relative differences of
-    loss and gradient norm, which must be at most `rtol`."""
+def compare_steps(reference: list[dict], other: list[dict], bounds: dict[str, tuple[float, float]]) -> dict:
+    """Step by step: the token counts, which must be equal, and the relative differences of loss and
+    gradient norm, which must be within `bounds` ({"loss": (at step 1, at every step), ...})."""
     ref = {r["step"]: r for r in reference}
     got = {r["step"]: r for r in other}
     problems = []
@@ -138,14 +146,16 @@ def compare_steps(reference: list[dict], other: list[dict], rtol: float) -> dict
     tokens = [s for s in steps if ref[s]["tokens"] != got[s]["tokens"]]
     if tokens:
         problems.append(f"the token counts differ at steps {tokens}: not the same global batch")
-    result = {"steps": len(steps), "rtol": rtol}
-    for key in ("loss", "grad_norm"):
+    result = {"steps": len(steps), "bounds": bounds}
+    for key, (first, every) in bounds.items():
         rel = {s: abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in steps}
         worst = max(rel, key=rel.get) if rel else None
         result[key] = {"max_rel_diff": rel[worst] if rel else None, "at_step": worst,
                        "first_step_rel_diff": rel.get(1)}
-        if rel and rel[worst] > rtol:
-            problems.append(f"{key} differs by {rel[worst]:.3g} (relative) at step {worst}, more than {rtol:g}")
+        if rel.get(1, 0.0) > first:
+            problems.append(f"{key} differs by {rel[1]:.3g} (relative) at step 1, more than {first:g}")
+        if rel and rel[worst] > every:
+            problems.append(f"{key} differs by {rel[worst]:.3g} (relative) at step {worst}, more than {every:g}")
     result["problems"] = problems
     result["passed"] = not problems and bool(steps)
     return result
@@ -163,7 +173,7 @@ def check_hsdp_nodes(args, out: Path) -> dict:
     require_kind(one, "one rank", "one_rank")
     kind = require_kind(hsdp, f"HSDP, 2 replicas of FSDP over {p // 2} ranks", "hsdp")
     result = compare_steps(read_metrics(out / "one_rank" / "metrics.jsonl"),
-                           read_metrics(out / "hsdp" / "metrics.jsonl"), args.rtol)
+                           read_metrics(out / "hsdp" / "metrics.jsonl"), args.bounds)
     loss, norm = result["loss"], result["grad_norm"]
     result.update(
         data_parallel=kind,
@@ -171,7 +181,8 @@ def check_hsdp_nodes(args, out: Path) -> dict:
                  f"loss max rel diff {fmt(loss['max_rel_diff'])} (step {loss['at_step']}; step 1 "
                  f"{fmt(loss['first_step_rel_diff'])}), grad norm {fmt(norm['max_rel_diff'])} (step "
                  f"{norm['at_step']}; step 1 {fmt(norm['first_step_rel_diff'])})"),
-        bound=f"tokens equal; loss, grad norm relative {args.rtol:g}")
+        bound="tokens equal; relative at step 1 / every step: " + ", ".join(
+            f"{key.replace('_', ' ')} {first:g} / {every:g}" for key, (first, every) in args.bounds.items()))
     return result
 
 
@@ -252,13 +263,14 @@ def check_kill_rank(args, out: Path) -> dict:
     if problems:
         print(f"kill_rank: {'; '.join(problems)}; log {log}:\n{tail(log)}", file=sys.stderr, flush=True)
     return {
-        "data_parallel": kind, "killed_rank": victim, "killed_after_step": max(before),
+        "data_parallel": kind, "killed_rank": victim, "logged_before_the_resume": max(before),
         "last_complete_checkpoint": last_complete, "exit_codes": killed.codes, "stop_seconds": stop_s,
         "steps_named": named, "launcher_named_the_rank": launcher_named, "resumed_from": resumed_from,
         "steps_compared": again, "problems": problems, "passed": not problems,
-        "summary": (f"rank {victim} killed after step {max(before)} was logged; node 0 stopped in {stop_s[0]:.1f}s "
-                    f"(exit {killed.codes[0]}), its ranks named steps {named}; resumed from step "
-                    f"{resumed_from} to {args.steps}, steps {again} bitwise equal"),
+        "summary": (f"rank {victim} killed, the run logged up to step {max(before)}; node 0 stopped "
+                    f"{stop_s[0]:.1f}s after the kill (exit {killed.codes[0]}), its ranks named (rank: steps) "
+                    f"{named}; resumed from step {resumed_from} to {args.steps}, steps {again} logged again "
+                    + ("bitwise equal" if again and not differ else f"differ at {differ}")),
         "bound": f"stop <= {limit:.0f}s (timeout {60 * args.collective_timeout_minutes:g}s + {STOP_GRACE_S:g}s)",
     }
 
@@ -297,7 +309,7 @@ def table(results: dict) -> str:
 
 
 def parse_args(argv):
-    parser = tool_parser(__doc__, nproc=4, steps=16, out="outputs/dp_proofs", timeout=300)
+    parser = tool_parser(__doc__, nproc=4, steps=20, out="outputs/dp_proofs", timeout=300)
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated of {','.join(CHECKS)}")
     parser.add_argument("--config", default="configs/tiny.toml")
     parser.add_argument("--collective-timeout-minutes", type=float, default=0.5,
@@ -331,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     training = load_config(["--config", args.config, *args.overrides]).training
     args.ga = training.gradient_accumulation_steps
     fp32 = args.device == "cpu" or training.mixed_precision_param == "float32"
-    args.rtol = RTOL_FP32 if fp32 else RTOL_BF16
+    args.bounds = FP32_BOUNDS if fp32 else BF16_BOUNDS
     out_root = Path(args.out).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, stop_on_sigterm)

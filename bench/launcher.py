@@ -130,7 +130,8 @@ def launch(keys: list[str], log: Path, gpus: int, *, device: str, timeout: float
                     trigger.fired_at = time.monotonic()
                 if time.monotonic() > deadline:
                     raise RunError(f"timed out after {timeout:.0f}s (--timeout); log {log}")
-                time.sleep(0.05)
+                # a trigger waits for a step of a run whose steps may take milliseconds
+                time.sleep(0.01 if trigger and trigger.fired_at is None else 0.05)
         finally:
             for p in procs:
                 if p.poll() is None:

@@ -54,18 +54,31 @@ def test_preempt_fsdp_and_a_killed_rank_on_two_cpu_processes(tmp_path):
 
 
 def test_hsdp_comparison_allows_reduction_order_and_refuses_other_samples():
+    bounds = dp_proofs.FP32_BOUNDS
     reference = [{"step": s, "loss": 9.0 - 0.1 * s, "grad_norm": 2.0 + s, "tokens": 512 * s} for s in (1, 2, 3)]
-    reordered = [dict(r, loss=r["loss"] * (1 + 3e-7), grad_norm=r["grad_norm"] * (1 - 1e-6)) for r in reference]
-    same = dp_proofs.compare_steps(reference, reordered, rtol=1e-5)
-    assert same["passed"] and same["steps"] == 3
-    assert same["loss"]["max_rel_diff"] == pytest.approx(3e-7) and same["grad_norm"]["max_rel_diff"] == pytest.approx(1e-6)
+
+    def drifted(step1: float, later: float, norm_factor: float = 100) -> list[dict]:
+        """The reference with relative differences: `step1` at step 1, `later` after it."""
+        d = {1: step1, 2: later, 3: later / 2}
+        return [dict(r, loss=r["loss"] * (1 + d[r["step"]]),
+                     grad_norm=r["grad_norm"] * (1 - norm_factor * d[r["step"]])) for r in reference]
+
+    same = dp_proofs.compare_steps(reference, drifted(3e-7, 2e-5, norm_factor=1), bounds)
+    assert same["passed"] and same["steps"] == 3, same["problems"]
+    assert same["loss"]["max_rel_diff"] == pytest.approx(2e-5) and same["loss"]["at_step"] == 2
+    assert same["loss"]["first_step_rel_diff"] == pytest.approx(3e-7)
+    # AdamW's drift shows in the norm after step 1, not at step 1
+    assert dp_proofs.compare_steps(reference, drifted(0.0, 5e-5, norm_factor=50), bounds)["passed"]
+    first = dp_proofs.compare_steps(reference, drifted(1e-5, 1e-5, norm_factor=1), bounds)
+    assert not first["passed"] and "loss differs by 1e-05 (relative) at step 1, more than 1e-06" in first["problems"]
 
     other_sample = [dict(r, loss=r["loss"] + 0.01 * (r["step"] == 2)) for r in reference]
-    wrong = dp_proofs.compare_steps(reference, other_sample, rtol=1e-5)
+    wrong = dp_proofs.compare_steps(reference, other_sample, bounds)
     assert not wrong["passed"] and wrong["loss"]["at_step"] == 2
     other_batch = [dict(r, tokens=r["tokens"] - 1) for r in reference]
-    assert "token counts differ at steps [1, 2, 3]" in dp_proofs.compare_steps(reference, other_batch, 1e-5)["problems"][0]
-    assert not dp_proofs.compare_steps(reference, reference[:2], 1e-5)["passed"]
+    problems = dp_proofs.compare_steps(reference, other_batch, bounds)["problems"]
+    assert "token counts differ at steps [1, 2, 3]" in problems[0]
+    assert not dp_proofs.compare_steps(reference, reference[:2], bounds)["passed"]
 
 
 def test_failure_lines_match_what_flame_writes():

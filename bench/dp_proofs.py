@@ -88,7 +88,7 @@ from bench.launcher import (EMBEDDED_DATA, Launched, RunError, Trigger, complete
                             nproc_problems, pick, preempt_and_resume, stop_on_sigterm, tail,
                             tool_parser, trainer_keys)
 from bench.metrics import read_metrics
-from bench.timing import versions
+from bench.timing import require_cuda, versions
 from flame.run_metrics import MetricsFileError
 
 CHECKS = ("hsdp_nodes", "preempt_fsdp", "preempt_replicas", "kill_rank")
@@ -313,7 +313,7 @@ def parse_args(argv):
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated of {','.join(CHECKS)}")
     parser.add_argument("--config", default="configs/tiny.toml")
     parser.add_argument("--collective-timeout-minutes", type=float, default=0.5,
-                        help="parallel.collective_timeout_minutes of kill_rank")
+                        help="parallel.collective_timeout_minutes of kill_rank (minutes, any number > 0)")
     args, overrides = parser.parse_known_args(argv)
     args.overrides = overrides
     args.checks, problems = pick("--checks", args.checks, CHECKS)
@@ -335,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         import torch
 
+        hint = "--device cpu runs the same checks on CPU processes"
+        require_cuda("bench.dp_proofs", hint)
         if torch.cuda.device_count() < args.nproc:
             raise SystemExit(f"bench.dp_proofs runs {args.nproc} ranks on GPUs and {torch.cuda.device_count()} "
-                             "are visible; --device cpu runs the same checks on CPU processes")
+                             f"are visible: --nproc {torch.cuda.device_count()}, or {hint}")
     from flame.config import load_config
 
     training = load_config(["--config", args.config, *args.overrides]).training

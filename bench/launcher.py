@@ -76,7 +76,6 @@ class Launched:
     ended: list[float]
     log_dirs: list[Path]
     per_node: int
-    trigger: Trigger | None = None
     rank_output: dict[int, str] = field(default_factory=dict)
 
     def read_rank_output(self) -> dict[int, str]:
@@ -137,7 +136,7 @@ def launch(keys: list[str], log: Path, gpus: int, *, device: str, timeout: float
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
-    launched = Launched([p.returncode for p in procs], ended, log_dirs, per_node, trigger)
+    launched = Launched([p.returncode for p in procs], ended, log_dirs, per_node)
     launched.read_rank_output()
     return launched
 

@@ -31,120 +31,45 @@ run's trace the tool also models 8 and 64 GPUs: see `cluster_model`.
 
 Data: the embedded corpus and tokenizer, the config's model (vocab_size included: the tokenizer's
 8192 ids fit a padded 32000 vocabulary). The table goes to stdout and <out>/scale.md, every number
-to <out>/summary.json. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
-NVSHMEM_DISABLE_NVLS=1 are set in every run's environment (NVLink multicast stays off).
+to <out>/summary.json. The launching and the preempt check are bench.launcher's (NVLink multicast
+stays off in every run).
 Exit status: 0 when every run finished and the preempt check passed.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import os
 import shlex
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.launcher import (RunError, data_parallel_kind, device_name, launch, nproc_problems, pick,
+                            preempt_and_resume, stop_on_sigterm, tail, tool_parser, trainer_keys)
 from bench.metrics import read_metrics
 from bench.timing import require_cuda, versions
 from flame.run_metrics import MetricsFileError
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS = ("single", "replicate", "fsdp", "hsdp", "nodes", "nodes_fsdp", "preempt")
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-EMBEDDED_DATA = ["--data.dataset", "embedded", "--data.tokenizer", "", "--data.name", "",
-                 "--data.streaming", "false", "--data.num_workers", "0"]
 PROFILED_STEPS = 2
 
-
-class ScaleError(RuntimeError):
-    """A run failed or a check could not be made; the message says which and why."""
-
-
-# ---- launching ---------------------------------------------------------------------------------
 
 def run_keys(args, config: str, run: str, dump: Path) -> list[str]:
     """The trainer's arguments of one run."""
     shard = {"replicate": 1, "preempt": 1, "fsdp": args.nproc, "nodes_fsdp": args.nproc,
              "hsdp": args.nproc // 2}.get(run, -1)
-    keys = ["--config", config, *EMBEDDED_DATA, *args.overrides,
-            "--job.dump_folder", str(dump), "--training.steps", str(args.steps),
-            "--training.compile_cache_dir", "none",  # the node's cache, which the runs' dump folders share
-            "--training.device", args.device, "--parallel.data_parallel_shard_degree", str(shard),
+    keys = [*trainer_keys(config, dump, args.steps, args.device, args.overrides),
+            "--parallel.data_parallel_shard_degree", str(shard),
             "--parallel.data_parallel_replicate_degree", "2" if run == "hsdp" else "1",
             "--checkpoint.enable", "true" if run == "preempt" else "false",
-            "--checkpoint.interval", str(args.steps), "--checkpoint.keep_latest_k", "0",
-            "--metrics.log_freq", "1", "--metrics.val_freq", "0", "--metrics.enable_wandb", "false",
-            "--lr_scheduler.warmup_steps", str(max(1, args.steps // 5))]
+            "--checkpoint.interval", str(args.steps), "--checkpoint.keep_latest_k", "0"]
     if args.profile and run != "preempt":
         keys += ["--profiling.enable", "true", "--profiling.steps", str(PROFILED_STEPS),
                  "--profiling.start_step", str(args.steps - PROFILED_STEPS + 1)]
     return keys
-
-
-def launch(args, keys: list[str], log: Path, gpus: int, *, nodes: int = 1,
-           stop_after_step: tuple[Path, int] | None = None) -> list[int]:
-    """Run launch/train.sh with `gpus` processes (over `nodes` nodes of this host) to its end, or
-    with `stop_after_step` = (metrics.jsonl, k) send SIGUSR1 once step k is logged. Returns the exit
-    codes (one per node)."""
-    port = free_port()
-    per_node = gpus // nodes
-    procs = []
-    with open(log, "ab") as out:
-        for node in range(nodes):
-            env = dict(os.environ, **NCCL_ENV, NGPU=str(per_node), NNODE=str(nodes), NODE_RANK=str(node),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       LOG_DIR=str(log.parent / f"{log.stem}-logs-node{node}"),
-                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-            if args.device == "cpu":
-                env["CUDA_VISIBLE_DEVICES"] = ""
-            elif nodes > 1:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * per_node + i) for i in range(per_node))
-            command = ["bash", str(ROOT / "launch" / "train.sh"), *keys]
-            out.write(f"$ NNODE={nodes} NODE_RANK={node} NGPU={per_node} {shlex.join(command)}\n".encode())
-            out.flush()
-            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True, cwd=ROOT))
-        signalled = False
-        deadline = time.monotonic() + args.timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                if stop_after_step and not signalled and logged_steps(stop_after_step[0]) >= stop_after_step[1]:
-                    procs[0].send_signal(signal.SIGUSR1)
-                    signalled = True
-                if time.monotonic() > deadline:
-                    raise ScaleError(f"timed out after {args.timeout:.0f}s (--timeout); log {log}")
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-    return [p.returncode for p in procs]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def logged_steps(metrics: Path) -> int:
-    try:
-        return sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line)
-    except OSError:
-        return 0
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 # ---- reading a run -----------------------------------------------------------------------------
@@ -153,11 +78,11 @@ def throughput(args, dump: Path) -> dict:
     """Median tokens/s per GPU after the warm-up (profiled steps left out), peak memory, losses."""
     records = read_metrics(dump / "metrics.jsonl")
     if [r["step"] for r in records] != list(range(1, args.steps + 1)):
-        raise ScaleError(f"{dump}/metrics.jsonl does not log steps 1..{args.steps}")
+        raise RunError(f"{dump}/metrics.jsonl does not log steps 1..{args.steps}")
     last_timed = args.steps - (PROFILED_STEPS + 1 if args.profile else 0)
     timed = [r for r in records if args.warmup < r["step"] <= last_timed]
     if not timed:
-        raise ScaleError(f"no step between --warmup {args.warmup} and the profiled steps: raise --steps")
+        raise RunError(f"no step between --warmup {args.warmup} and the profiled steps: raise --steps")
     return {
         "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed),
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
@@ -190,7 +115,7 @@ def trace_breakdown(trace: Path, step_time_s: float) -> dict:
             reduced += int(a.get("In msg nelems", 0)) * _dtype_bytes(a.get("dtype", "Float"))
     kernels = compute + comm
     if not kernels:
-        raise ScaleError(f"{trace} holds no GPU kernel")
+        raise RunError(f"{trace} holds no GPU kernel")
     window_us = max(stop for _, stop in kernels) - min(start for start, _ in kernels)
     scale = step_time_s * 1e6 / window_us  # one step's share of the window's totals
     busy_ms = union_us(kernels) * scale / 1e3
@@ -219,15 +144,13 @@ def run_throughput(args, config: str, run: str, out: Path) -> dict:
     log = out / f"{run}.log"
     gpus = 1 if run == "single" else args.nproc
     nodes = 2 if run.startswith("nodes") else 1
-    codes = launch(args, run_keys(args, config, run, dump), log, gpus, nodes=nodes)
+    codes = launch(run_keys(args, config, run, dump), log, gpus, device=args.device, timeout=args.timeout,
+                   nodes=nodes).codes
     if any(codes):
-        raise ScaleError(f"{run} exited with {codes}; log {log}:\n{tail(log)}")
+        raise RunError(f"{run} exited with {codes}; log {log}:\n{tail(log)}")
     result = throughput(args, dump)
     result["gpus"] = gpus
-    choice = [line for line in log.read_text(errors="replace").splitlines() if "data parallel:" in line]
-    # the kind, without the reason and the memory estimates that follow it in brackets
-    kind = choice[0].split("data parallel:", 1)[1].split(" (", 1)[0] if choice else "one rank"
-    result["data_parallel"] = kind.strip()
+    result["data_parallel"] = data_parallel_kind(log.read_text(errors="replace"))
     trace = dump / "profile" / "rank0.json"
     if args.profile and trace.is_file():
         result.update(trace_breakdown(trace, result["step_time_s"]))
@@ -236,29 +159,11 @@ def run_throughput(args, config: str, run: str, out: Path) -> dict:
 
 
 def run_preempt(args, config: str, out: Path, reference: dict) -> dict:
-    """SIGUSR1 once half the steps are logged; every rank saves the same step; the same command
-    resumes; the resumed losses equal the uninterrupted replicate run's."""
-    dump, log = out / "preempt", out / "preempt.log"
-    keys = run_keys(args, config, "preempt", dump)
-    half = args.steps // 2
-    codes = launch(args, keys, log, args.nproc, stop_after_step=(dump / "metrics.jsonl", half))
-    saved = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").glob("step-*")
-                   if (p / "COMPLETE").is_file())
-    text = log.read_text(errors="replace")
-    stopped = [line for line in text.splitlines() if "stopped by SIGUSR1 at step" in line]
-    if len(saved) != 1 or not half <= saved[0] < args.steps:
-        raise ScaleError(f"preempt: expected one checkpoint between steps {half} and {args.steps - 1}, "
-                         f"found {saved} (exit codes {codes}); log {log}:\n{tail(log)}")
-    step = saved[0]
-    codes_again = launch(args, keys, log, args.nproc)
-    if any(codes_again):
-        raise ScaleError(f"preempt: the resumed run exited with {codes_again}; log {log}:\n{tail(log)}")
-    losses = {r["step"]: r["loss"] for r in read_metrics(dump / "metrics.jsonl")}
-    compared = list(range(step + 1, args.steps + 1))
-    diffs = [abs(losses[s] - reference["losses"][s]) for s in compared]
-    return {"gpus": args.nproc, "signalled_after_step": half, "stopped_at_step": step, "exit_codes": codes,
-            "rank_stop_lines": len(stopped), "compared_steps": len(compared),
-            "max_abs_loss_diff": max(diffs), "passed": max(diffs) == 0.0}
+    """`preempt_and_resume` on P GPUs, against the uninterrupted replicate run."""
+    dump = out / "preempt"
+    return preempt_and_resume(run_keys(args, config, "preempt", dump), dump, out / "preempt.log", args.nproc,
+                              {int(step): loss for step, loss in reference["losses"].items()},  # JSON: str keys
+                              device=args.device, timeout=args.timeout)
 
 
 def cluster_model(compute_ms: float, grad_bytes: int, busbw_gbs: float, gpus: int,
@@ -301,11 +206,14 @@ def table(results: dict) -> str:
                 f"{fmt(r.get('exposed_comm_ms'))} | {fmt(r.get('host_bound_ms'))} |")
     for name, runs in results.items():
         p = runs.get("preempt")
-        if p and "error" not in p:
+        if p and "error" not in p and p["compared_steps"]:
             lines.append(f"\n{name} preempt on {p['gpus']} GPUs: SIGUSR1 once step {p['signalled_after_step']} was "
                          f"logged -> checkpoint at step {p['stopped_at_step']}, exit codes {p['exit_codes']}; resumed "
                          f"losses of steps {p['stopped_at_step'] + 1}..: max |diff| {p['max_abs_loss_diff']:.3g} "
-                         f"against the uninterrupted replicate run ({'bitwise' if p['passed'] else 'NOT equal'})")
+                         f"against the uninterrupted replicate run ({'bitwise' if p['passed'] else 'NOT equal'})"
+                         + "".join(f"; {problem}" for problem in p["problems"]))
+        elif p and "error" not in p:
+            lines.append(f"\n{name} preempt: FAILED: {'; '.join(p['problems'])[:300]}")
         elif p:
             lines.append(f"\n{name} preempt: FAILED: {p['error'].splitlines()[0][:300]}")
         for m in runs.get("model", []):
@@ -316,28 +224,17 @@ def table(results: dict) -> str:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = tool_parser(__doc__, nproc=2, steps=30, out="outputs/scale", timeout=900)
     parser.add_argument("--configs", required=True, help="comma-separated job TOMLs")
-    parser.add_argument("--nproc", type=int, default=2, help="GPUs P of the multi-GPU runs")
     parser.add_argument("--runs", default="single,replicate,fsdp", help=f"comma-separated of {','.join(RUNS)}")
-    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
     parser.add_argument("--profile", action="store_true", help="trace the last 2 steps of each run")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--internode-busbw", type=float, default=45.0,
                         help="all-reduce bus bandwidth (GB/s) between nodes for the 64-GPU model")
-    parser.add_argument("--out", default="outputs/scale")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     args, overrides = parser.parse_known_args(argv)
     args.overrides = overrides
-    requested = [r for r in args.runs.split(",") if r]
-    unknown = [r for r in requested if r not in RUNS]
-    args.runs = [r for r in RUNS if r in requested]
-    problems = [f"--runs: unknown {unknown}; choose from {','.join(RUNS)}"] if unknown else []
-    if args.nproc < 2 or args.nproc % 2:
-        problems.append(f"--nproc must be even and >= 2, got {args.nproc}")
+    args.runs, problems = pick("--runs", args.runs, RUNS)
+    problems += nproc_problems(args.nproc)
     if "hsdp" in args.runs and args.nproc < 4:
         problems.append("hsdp needs --nproc >= 4 (2 replicas of FSDP over P/2)")
     if not 0 <= args.warmup < args.steps - (PROFILED_STEPS + 1 if args.profile else 0):
@@ -368,12 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if run == "preempt":
                     if "tokens_per_s_per_gpu" not in runs.get("replicate", {}):
-                        raise ScaleError("preempt compares with the replicate run: run it first")
+                        raise RunError("preempt compares with the replicate run: run it first")
                     runs[run] = run_preempt(args, config, out, runs["replicate"])
                     failed |= not runs[run]["passed"]
                 else:
                     runs[run] = run_throughput(args, config, run, out)
-            except (ScaleError, MetricsFileError) as err:
+            except (RunError, MetricsFileError) as err:
                 print(f"{name} {run}: FAILED: {err}", file=sys.stderr, flush=True)
                 runs[run] = {"error": str(err)}
                 failed = True
@@ -402,21 +299,6 @@ def model_clusters(args, config: str, runs: dict) -> list[dict]:
     ga = load_config(["--config", config, *args.overrides]).training.gradient_accumulation_steps
     return [cluster_model(single["compute_ms"], rep["all_reduce_bytes"], bw, n, 2 / 3, ga)
             for n, bw in ((p, busbw), (8, busbw), (64, args.internode_busbw))]
-
-
-def stop_on_sigterm(signum, frame):
-    """`timeout` and schedulers stop a job with SIGTERM: leave through `launch`'s cleanup, which
-    kills the running ranks (they live in sessions of their own)."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def device_name(device: str) -> str:
-    if device == "cpu":
-        return f"CPU ({os.cpu_count()} cores)"
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count(), "
-                            "torch.cuda.get_device_name(0))"], capture_output=True, text=True)
-    count, _, name = probe.stdout.strip().partition(" ")
-    return f"{count}x {name}" if probe.returncode == 0 else "unknown GPU"
 
 
 if __name__ == "__main__":

@@ -327,7 +327,8 @@ class Parallel:
     checkpoint load, compile)."""
     collective_timeout_minutes: float = field(default=5.0, metadata={"gt": 0})
     """Collective timeout after the first step: when a rank dies or hangs, the others stop after
-    this long with an error naming the step, instead of waiting forever."""
+    this long at the latest, each with an error naming itself and the last step it finished,
+    instead of waiting forever."""
 
 
 @dataclass

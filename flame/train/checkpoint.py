@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from flame.train.fault_injection import fault_point
+from flame.train.parallel import causes
 from flame.weights import (
     COMPLETE_MARKER,
     CONFIG_FILE,
@@ -340,13 +341,7 @@ def _describe(err: BaseException) -> str:
 
 def _os_error(err: BaseException) -> OSError | None:
     """The first OSError in `err`'s chain of causes and contexts (`err` itself included)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, OSError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return next((e for e in causes(err) if isinstance(e, OSError)), None)
 
 
 def _cause(err: BaseException) -> BaseException | None:

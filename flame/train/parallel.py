@@ -212,15 +212,15 @@ COLLECTIVE_ERROR_MARKERS = ("gloo", "NCCL", "nccl", "Timed out", "timed out", "C
 
 def collective_failure(err: BaseException, state: ParallelState, last_step: int,
                        cfg_parallel) -> CollectiveFailure | None:
-    """`err` restated with the step and the likely cause when it is a failed collective of a
-    multi-rank run; None for any other error."""
+    """`err` restated with this rank, its last finished step and the likely cause when a failed
+    collective of a multi-rank run is `err` or caused it (a checkpoint save that failed on a dead
+    peer: its message, which says what happened to the save, is kept); None for any other error."""
     if not state.distributed or state.world_size == 1:
         return None
-    text = str(err).strip()
-    if not isinstance(err, dist.DistError) and not (
-            type(err) is RuntimeError and any(marker in text for marker in COLLECTIVE_ERROR_MARKERS)):
+    if not any(is_collective_error(e) for e in causes(err)):
         return None
-    first_line = text.splitlines()[0][:400] if text else type(err).__name__
+    text = str(err).strip()
+    first_line = text.splitlines()[0][:1000] if text else type(err).__name__
     return CollectiveFailure(
         f"rank {state.rank}: a collective failed after step {last_step} (the last step this rank "
         f"finished): {first_line}. Another rank died or hangs (collectives time out after "
@@ -229,3 +229,21 @@ def collective_failure(err: BaseException, state: ParallelState, last_step: int,
         f"{cfg_parallel.collective_timeout_minutes:g} min after it); a restart resumes from the "
         f"last complete checkpoint"
     )
+
+
+def is_collective_error(err: BaseException) -> bool:
+    """Whether `err` is torch.distributed's error of a failed or timed-out collective (gloo raises
+    a plain RuntimeError that names itself)."""
+    text = str(err)
+    return isinstance(err, dist.DistError) or (
+        type(err) is RuntimeError and any(marker in text for marker in COLLECTIVE_ERROR_MARKERS))
+
+
+def causes(err: BaseException):
+    """`err`, then its causes and contexts (`raise ... from`, an error raised while handling
+    another), each once."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__

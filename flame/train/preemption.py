@@ -164,14 +164,17 @@ class StallWarning:
     """A thread that warns, once per step, when a step has run for most of the collective timeout.
 
     On GPUs a collective that times out ends the process from NCCL's watchdog thread, whose
-    message names the collective, not the step: this warning comes first and names the step."""
+    message names the collective, not the step: this warning comes first and names the step. It
+    looks every `poll_seconds` (by default 5 s, or half the time between `fraction` of the timeout
+    and the timeout where that is shorter, so that a short timeout is warned of before it ends)."""
 
-    def __init__(self, rank: int, timeout_minutes: float, poll_seconds: float = 5.0,
+    def __init__(self, rank: int, timeout_minutes: float, poll_seconds: float | None = None,
                  fraction: float = 0.9):
         self.rank = rank
         self.limit = 60 * timeout_minutes * fraction
         self.timeout_minutes = timeout_minutes
-        self.poll_seconds = poll_seconds
+        self.poll_seconds = (poll_seconds if poll_seconds is not None
+                             else min(5.0, 60 * timeout_minutes * (1 - fraction) / 2))
         self.last_step, self.since, self.warned = 0, time.monotonic(), False
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.watch, name="flame-stall-warning", daemon=True)

@@ -67,7 +67,7 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch):
 
 GPU_TOOLS = {  # tool: its arguments of a GPU measurement
     "train_step": [], "scale": ["--configs", "configs/tiny.toml"], "loss": ["--device", "cuda"],
-    "generate": [], "ops": [], "decode_matmul": [], "decode_matmul --sweep": ["--sweep"],
+    "generate": [], "ops": [], "decode_matmul": [], "decode_matmul --sweep": ["--sweep"], "dp_proofs": [],
 }
 
 

@@ -129,3 +129,43 @@ def test_a_stalled_step_is_named_before_the_collective_timeout(flame_log):
     finally:
         watch.close()
     assert "rank 1: no step finished" in flame_log[-1] and "hangs in step 42" in flame_log[-1]
+
+
+def test_a_short_collective_timeout_is_warned_of_before_it_ends():
+    from flame.train.preemption import StallWarning
+
+    for minutes, poll in ((5.0, 5.0), (0.5, 1.5), (0.01, 0.03)):
+        watch = StallWarning(rank=0, timeout_minutes=minutes)
+        watch.close()
+        assert watch.poll_seconds == pytest.approx(poll)
+        # the last look that can still find the step under the limit comes before the timeout
+        assert watch.limit + watch.poll_seconds < 60 * minutes
+
+
+def test_a_save_that_a_dead_rank_failed_is_a_collective_failure_naming_rank_and_step():
+    from types import SimpleNamespace
+
+    import torch
+
+    from flame.train.checkpoint import CheckpointError
+    from flame.train.parallel import ParallelState, collective_failure
+
+    state = ParallelState(device=torch.device("cpu"), rank=3, world_size=4, parallel_dims=object())
+    limits = SimpleNamespace(init_timeout_minutes=20.0, collective_timeout_minutes=0.5)
+    save = ("checkpoint: saving step 8 to /run/checkpoint/step-8 failed: RuntimeError: [gloo] Read error; "
+            "its partial folder was removed; the last complete checkpoint, /run/checkpoint/step-4, is intact")
+    try:
+        try:
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                               "[127.0.0.1]:43426: Connection reset by peer")
+        except RuntimeError as peer:
+            raise CheckpointError(save) from peer
+    except CheckpointError as err:
+        failure = collective_failure(err, state, 8, limits)
+    assert failure is not None
+    assert str(failure).startswith(
+        f"rank 3: a collective failed after step 8 (the last step this rank finished): {save}. "
+        "Another rank died or hangs")
+    assert "collective_timeout_minutes = 0.5 min" in str(failure)
+    # a save that failed on its own (a full disk) stays a checkpoint error
+    assert collective_failure(CheckpointError("no space left on device"), state, 8, limits) is None

@@ -484,27 +484,53 @@ def report(runs: list[Path], out: Path | None, smooth: int = 20, max_step: int =
         lines.append(f"| {name} | {rows[-1]['step']} | {rows[-1].get('tokens', 0):,} | "
                      f"{tail_mean(rows):.4f} | {median_speed(rows):,.0f} | {memory:.1f} |")
     if out is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(9, 5.5))
-        for name, rows in curves.items():
-            steps = [r["step"] for r in rows]
-            losses = [r["loss"] for r in rows]
-            k = min(smooth, len(losses))
-            smoothed = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
-                        for i in range(len(losses))]
-            ax.plot(steps, smoothed, label=name, linewidth=1.2)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"training loss (mean of the last {smooth} steps)")
-        ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out, dpi=110)
+        plot_curves(curves, out, smooth)
     return "\n".join(lines)
+
+
+def plot_curves(curves: dict[str, list[dict]], out: Path, smooth: int) -> None:
+    """Two panels: each run's loss (mean of the last `smooth` steps), and its difference from the
+    mean of the RWKV-LM runs (names starting "rwkvlm") at the same step, where there are some."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    def smoothed(rows):
+        """The steps, and the mean loss of each step's last `smooth` steps (fewer at the start)."""
+        losses = np.array([r["loss"] for r in rows], dtype=np.float64)
+        sums = np.concatenate([[0.0], np.cumsum(losses)])
+        end = np.arange(1, len(losses) + 1)
+        start = np.maximum(0, end - smooth)
+        return np.array([r["step"] for r in rows]), (sums[end] - sums[start]) / (end - start)
+
+    series = {name: smoothed(rows) for name, rows in curves.items()}
+    references = [loss for name, (_, loss) in series.items() if name.startswith("rwkvlm")]
+    fig, axes = plt.subplots(2 if references else 1, 1, figsize=(9, 8 if references else 5.5), squeeze=False,
+                             sharex=True, gridspec_kw={"height_ratios": [3, 2]} if references else None)
+    ax = axes[0][0]
+    for name, (steps, loss) in series.items():
+        ax.plot(steps, loss, label=name, linewidth=1.2)
+    ax.set_ylabel(f"training loss (mean of the last {smooth} steps)")
+    ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if references:
+        length = min(len(loss) for loss in references)
+        reference = np.mean([loss[:length] for loss in references], axis=0)
+        diff = axes[1][0]
+        for name, (steps, loss) in series.items():
+            n = min(length, len(loss))
+            diff.plot(steps[:n], loss[:n] - reference[:n], label=name, linewidth=1.0)
+        diff.axhline(0.0, color="black", linewidth=0.6)
+        diff.set_ylim(-0.1, 0.1)
+        diff.set_ylabel("minus the RWKV-LM runs' mean")
+        diff.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,8 @@
 
 Kernel tests run Triton's interpreter on CPU-only machines. TRITON_INTERPRET must be set before
 any module that defines a @triton.jit kernel is imported, so it is set here, at collection time.
-On a CUDA machine the real compiler runs instead, and tests marked `gpu` are collected too.
+On a CUDA machine the real compiler runs instead, tests marked `gpu` run too, and tests marked
+`interpreter` (Triton kernels on CPU tensors) are skipped.
 """
 
 import os
@@ -17,9 +18,12 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    """Without CUDA, `gpu` tests skip; with CUDA (no interpreter), `interpreter` tests skip."""
     if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        marker, skip = "interpreter", pytest.mark.skip(
+            reason="runs Triton kernels on CPU tensors, which needs the interpreter (off on a CUDA machine)")
+    else:
+        marker, skip = "gpu", pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if marker in item.keywords:
             item.add_marker(skip)

@@ -41,3 +41,11 @@ def test_guide_states_tokens_launch_measurement_and_memory_advice(path):
     assert "python -m flame.train" in text and f"torchrun --nproc-per-node 8 -m flame.train --config configs/{path.name}" in text
     assert "H100" in text  # the measured numbers on one H100, or that there are none
     assert "memory" in text.lower()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_guide_has_no_placeholder_for_a_measurement(path):
+    """A guide gives measured numbers or says that there are none; never a slot left to fill."""
+    text = guide(path)
+    for placeholder in ("TO BE MEASURED", "TBD", "TODO", "XXX", "FIXME"):
+        assert placeholder not in text, f"{path.name}: {placeholder!r} in the guide"

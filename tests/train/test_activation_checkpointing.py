@@ -35,6 +35,7 @@ def test_unknown_activation_checkpoint_mode_is_named(tmp_path):
                 dataloader=())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("family", ["rwkv7", "rwkv6"])
 def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_path, family):
     """Compiled under autocast, an "elementwise" block's backward recomputes its norms and static

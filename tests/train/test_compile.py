@@ -28,6 +28,7 @@ def eager_trace(tmp_path_factory):
     return cpu_trace(tmp_path_factory.mktemp("compile"), "eager")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("ac", ["full", "selective", "elementwise"])
 def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tmp_path, eager_trace, ac):
     compiled = cpu_trace(tmp_path, f"compiled-{ac}", compile=True, activation_checkpoint=ac)

@@ -29,8 +29,9 @@ The checks:
   preempt_fsdp      FSDP over P ranks: the uninterrupted run, then the same run with checkpoints
                     sent SIGUSR1 (to torchrun) once half its steps are logged. Every rank must stop
                     at the same step and write its part of that step's checkpoint, the only
-                    COMPLETE one; the same command again resumes, and the resumed losses must
-                    equal the uninterrupted run's, bitwise.
+                    COMPLETE one; the same command again resumes, and the losses of every step,
+                    before the stop and after the resume, must equal the uninterrupted run's,
+                    bitwise (two identical runs log the same numbers: issue 39's first item).
   preempt_replicas  the same with a replica of the model on each rank.
   kill_rank         replicas on two "nodes" of P/2 ranks, a checkpoint every steps/4 steps,
                     parallel.collective_timeout_minutes = --collective-timeout-minutes: once a
@@ -203,7 +204,7 @@ def check_preempt(args, out: Path, shard: int) -> dict:
         data_parallel=kind,
         summary=(f"{kind}: SIGUSR1 after step {result['signalled_after_step']} -> ranks stopped at step(s) "
                  f"{stops}, checkpoint written by ranks {result['checkpoint_ranks']}; {result['compared_steps']} "
-                 f"resumed steps, max |loss diff| {result['max_abs_loss_diff']}"),
+                 f"steps compared (before the stop and after the resume), max |loss diff| {result['max_abs_loss_diff']}"),
         bound="one step on every rank; bitwise")
     return result
 

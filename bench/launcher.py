@@ -222,8 +222,9 @@ def preempt_and_resume(keys: list[str], dump: Path, log: Path, gpus: int, refere
                        device: str, timeout: float, nodes: int = 1) -> dict:
     """SIGUSR1 to torchrun once half of the steps of `reference` (the uninterrupted run's loss at
     each step) are logged: every rank must stop at the same step and write its part of that step's
-    checkpoint, the only COMPLETE one; the same command (`keys`, checkpoints on) again resumes, and
-    its losses must equal `reference`'s, bitwise."""
+    checkpoint, the only COMPLETE one; the same command (`keys`, checkpoints on) again resumes. The
+    loss of every step, those logged before the stop (the same run started twice must log the same
+    numbers) and those after the resume, must equal `reference`'s, bitwise."""
     steps = max(reference)
     half = steps // 2
     metrics = dump / "metrics.jsonl"
@@ -251,14 +252,17 @@ def preempt_and_resume(keys: list[str], dump: Path, log: Path, gpus: int, refere
         if any(resumed.codes):
             problems.append(f"the resumed run exited with {resumed.codes}")
         got = losses(dump)
-        compared = range(step + 1, steps + 1)
+        compared = range(1, steps + 1)
         missing = [s for s in compared if s not in got]
         if missing:
-            problems.append(f"the resumed run logged no loss at steps {missing}")
+            problems.append(f"no loss logged at steps {missing}")
         diffs = [abs(got[s] - reference[s]) for s in compared if s in got]
+        differ = [s for s in compared if s in got and got[s] != reference[s]]
+        if differ:
+            before = [s for s in differ if s <= step]
+            problems.append(f"losses differ from the uninterrupted run's at steps {differ} ({len(before)} of them "
+                            f"before the stop at step {step}), by up to {max(diffs):.3g}")
     equal = bool(diffs) and max(diffs) == 0.0
-    if diffs and not equal:
-        problems.append(f"resumed losses differ from the uninterrupted run's by up to {max(diffs):.3g}")
     if problems:
         print(f"preempt: {'; '.join(problems)}; log {log}:\n{tail(log)}", file=sys.stderr, flush=True)
     return {"gpus": gpus, "signalled_after_step": half, "stopped_at_step": step, "exit_codes": stopped.codes,

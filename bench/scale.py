@@ -20,7 +20,8 @@ per-GPU work is the same in every run and the global batch grows with the GPUs. 
   nodes_fsdp      the same two nodes, FSDP over P
   preempt         the replicate run again with checkpoints, sent SIGUSR1 (to torchrun) once half of
                   its steps are logged: every rank must save the same step and exit; the same
-                  command again resumes, and its losses must equal the replicate run's, bitwise
+                  command again resumes, and the losses of every step (before the stop and after
+                  the resume) must equal the replicate run's, bitwise
 
 Throughput = median of metrics.jsonl's tokens_per_s_per_device over the steps after --warmup (the
 profiled steps left out); peak memory = the largest memory_gib (rank 0). With --profile each
@@ -208,8 +209,9 @@ def table(results: dict) -> str:
         p = runs.get("preempt")
         if p and "error" not in p and p["compared_steps"]:
             lines.append(f"\n{name} preempt on {p['gpus']} GPUs: SIGUSR1 once step {p['signalled_after_step']} was "
-                         f"logged -> checkpoint at step {p['stopped_at_step']}, exit codes {p['exit_codes']}; resumed "
-                         f"losses of steps {p['stopped_at_step'] + 1}..: max |diff| {p['max_abs_loss_diff']:.3g} "
+                         f"logged -> checkpoint at step {p['stopped_at_step']}, exit codes {p['exit_codes']}; the losses "
+                         f"of all {p['compared_steps']} steps, before the stop and after the resume: max |diff| "
+                         f"{p['max_abs_loss_diff']:.3g} "
                          f"against the uninterrupted replicate run ({'bitwise' if p['passed'] else 'NOT equal'})"
                          + "".join(f"; {problem}" for problem in p["problems"]))
         elif p and "error" not in p:

@@ -13,6 +13,11 @@ def fla_model_factory(family: str):
     def build(args):
         import fla.models as fm
 
+        from flame.models import build_model
+
+        with torch.device("meta"):
+            flops_per_token = build_model(args).num_flops_per_token()
+
         common = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                       vocab_size=args.vocab_size, norm_eps=args.norm_eps,
                       tie_word_embeddings=args.tie_word_embeddings, fuse_cross_entropy=False)
@@ -50,9 +55,11 @@ def fla_model_factory(family: str):
             def init_weights(self):
                 self.inner.apply(self.inner._init_weights)
 
-            def num_flops_per_token(self, seq_len):
-                params = sum(p.numel() for p in self.parameters())
-                return 6 * (params - self.inner.model.embeddings.weight.numel())
+            def num_flops_per_token(self):
+                """flame's count for its model of the same config (docs/architecture.md, "FLOPs per
+                token and MFU"): one formula for both libraries, so that their MFUs compare as their
+                throughputs do."""
+                return flops_per_token
 
         return FlaLM()
 

@@ -206,16 +206,15 @@ class CausalLM(nn.Module):
             total -= self.embeddings.weight.numel()
         return total
 
-    def num_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward) for MFU:
+    def num_flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward), the numerator of MFU and flame's one
+        count of them (docs/architecture.md, "FLOPs per token and MFU"):
 
-            6 * (non-embedding parameters, the head's matmul included even when tied)
+            6 * (non-embedding parameters, the head counted even when tied to the embedding)
             + sum over layers of the block's state-update FLOPs (`state_flops_per_token`).
 
-        No softmax-attention term: the recurrent state makes the per-token cost independent of
-        seq_len, which is accepted for interface compatibility only."""
-        if seq_len <= 0:
-            raise ValueError(f"seq_len must be > 0, got {seq_len}")
+        Independent of the sequence length: the recurrent state costs the same at every token.
+        Activation-checkpoint recomputation and the chunked kernels' extra work are not counted."""
         matmul_params = self.num_params(exclude_embeddings=True)
         if self.tie_word_embeddings:
             matmul_params += self.lm_head.weight.numel()

@@ -112,11 +112,15 @@ class GSAAttention(nn.Module):
         decode_matmul(o, self.o_proj.weight, **prologue_args(self.g_norm), silu=True, residual=x, backend=self.backend)
 
     def state_flops_per_token(self) -> int:
-        """Forward, per token: pass K updates H states [d, M] (decay + k s^T: 3 d M) and reads
-        HQ scores (2 d M); pass V updates H states [M, d] (3 M d) and reads HQ outputs (2 M d).
-        Backward ~ 2x forward."""
+        """FLOPs of the two recurrences per token, forward + backward (docs/architecture.md,
+        "FLOPs per token and MFU"). Forward (docs/kernels.md, "GSA recurrence"): each of the H
+        key/value heads updates Hk = Hk diag(e^g) + k s^T [d, M] and Hv = diag(e^g) Hv + s v^T
+        [M, d] (3 d M each); each of the HQ query heads reads z = Hk^T q and o = Hv^T p (2 d M
+        each); the softmax over M slots is O(M) and not counted. Times 3 for forward + backward,
+        as the matmuls."""
         d, M = self.head_dim, self.num_slots
-        return 3 * 2 * (3 * self.num_kv_heads * d * M + 2 * self.num_heads * d * M)
+        forward = 2 * 3 * self.num_kv_heads * d * M + 2 * 2 * self.num_heads * d * M
+        return 3 * forward
 
 
 class GSAMLP(nn.Module):

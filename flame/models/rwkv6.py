@@ -172,8 +172,10 @@ class RWKV6Attention(nn.Module):
         return ()
 
     def state_flops_per_token(self) -> int:
-        """Per head and token, forward: decay K*V, k v^T 2KV, readout S^T r 2KV = 5 K V (the
-        bonus is O(K + V)); backward ~ 2x forward."""
+        """FLOPs of the recurrence per token, forward + backward (docs/architecture.md, "FLOPs per
+        token and MFU"). Per head (docs/kernels.md, "RWKV6 recurrence"), the forward reads
+        o = S^T r (2 K V) and updates S = e^w ⊙ S + k v^T (K V + 2 K V): 5 K V; the bonus is
+        O(K + V) and not counted. Times 3 for forward + backward, as the matmuls."""
         return 3 * 5 * self.num_heads * self.head_dim * self.head_dim
 
 

@@ -196,8 +196,10 @@ class RWKV7Attention(nn.Module):
         return (v_first,)
 
     def state_flops_per_token(self) -> int:
-        """Per head and token, forward: decay K*V, p = a^T S 2KV, b p^T 2KV, k v^T 2KV,
-        readout S^T r 2KV = 9 K V; backward ~ 2x forward."""
+        """FLOPs of the recurrence per token, forward + backward (docs/architecture.md, "FLOPs per
+        token and MFU"). Per head (docs/kernels.md, "RWKV7 recurrence"), the forward computes
+        p = a^T S (2 K V), S = e^w ⊙ S + b p + k v^T (K V + 2 K V + 2 K V) and o = S^T q (2 K V):
+        9 K V. Times 3 for forward + backward, as the matmuls."""
         return 3 * 9 * self.num_heads * self.head_dim * self.head_dim
 
 

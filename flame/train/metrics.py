@@ -78,11 +78,24 @@ def progress_line(record: dict) -> str:
     return " | ".join(parts)
 
 
+def device_peak_flops(device: torch.device) -> float:
+    """The peak dense bf16 FLOP/s of one `device`, MFU's denominator (docs/architecture.md, "FLOPs per
+    token and MFU"): on CUDA, torchtitan's table by device name (H100 SXM and H200 989e12; an H100
+    named by `lspci` wins over the CUDA name; an unknown GPU gets A100's 312e12 and torchtitan's
+    warning); 0 elsewhere (CPU: no MFU is logged)."""
+    if device.type != "cuda":
+        return 0.0
+    from torchtitan.tools.utils import get_peak_flops
+
+    return float(get_peak_flops(torch.cuda.get_device_name(device)))
+
+
 class StepLog:
     """The training records of metrics.jsonl: every metrics.log_freq steps (and at the last and a
     skipped step) the step's numbers and the throughput of the window of steps since the last
     record, its valid tokens over the device time of its steps (so the steps' times add up to the
-    run's time on the device)."""
+    run's time on the device). `mfu` = tokens_per_s_per_device * flops_per_token (the model's
+    `num_flops_per_token()`) / `device_peak_flops(device)`, where that peak is known."""
 
     def __init__(self, metrics: MetricsLogger, cfg, world_size: int, device, flops_per_token: int):
         self.metrics = metrics
@@ -91,11 +104,11 @@ class StepLog:
         self.world_size = world_size
         self.device = device
         self.flops_per_token = int(flops_per_token)
-        self.peak_flops = 0.0  # of one device; unknown on CPUs
-        if device.type == "cuda":
-            from torchtitan.tools.utils import get_peak_flops
-
-            self.peak_flops = get_peak_flops(torch.cuda.get_device_name(device))
+        self.peak_flops = device_peak_flops(device)
+        if self.peak_flops > 0:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            logger.info("MFU: %s FLOPs per token over %s's peak of %.0f TFLOP/s",
+                        f"{self.flops_per_token:,d}", name, self.peak_flops / 1e12)
         self.restart()
 
     def restart(self) -> None:

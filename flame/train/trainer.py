@@ -92,8 +92,9 @@ class Trainer(Stateful):
         `model_factory(cfg.model)`: builds the model in place of `flame.models.build_model` (it runs
         under the meta device and gets the same parallelisation, initialisation, loss and optimizer);
         the model follows `flame.models.CausalLM`'s contract: `layers`, `init_weights()`,
-        `num_flops_per_token(seq_len)` and the forward's signature (logits without labels; with
-        `labels=` and `loss_scale=`, the scaled CE sum over valid tokens, the training loss)."""
+        `num_flops_per_token()` (MFU's FLOPs per token) and the forward's signature (logits without
+        labels; with `labels=` and `loss_scale=`, the scaled CE sum over valid tokens, the training
+        loss)."""
         self.cfg = cfg
         training = cfg.training
 
@@ -168,7 +169,7 @@ class Trainer(Stateful):
         if self.state.step > 0:
             self.metrics.mark_resume(self.state.step)
         self.step_log = StepLog(self.metrics, cfg, self.parallel.world_size, self.device,
-                                self.model.num_flops_per_token(training.seq_len))
+                                self.model.num_flops_per_token())
 
         # 6. the run's record, once the data, the model and the checkpoint are accepted: a refused
         # start leaves the config.toml of the run before it as it was

@@ -65,20 +65,35 @@ def test_gsa_grouped_queries_build_and_run():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_num_flops_per_token_formula(family):
-    args = tiny_args(family)
-    model = build_seeded(args)
-    C, L, V = args.hidden_size, args.num_layers, args.vocab_size
-    dense = 6 * (model.num_params() - V * C)
-    if family == "rwkv6":  # H heads of K = V = 16: 5 K V forward, x3 for forward + backward
-        state = L * 3 * 5 * (C // 16) * 16 * 16
-    elif family == "rwkv7":  # 9 K V forward (DPLR), x3
-        state = L * 3 * 9 * (C // 16) * 16 * 16
-    else:  # 2 heads of d = 32, M = 8: two passes, 5 d M each forward, x3
-        state = L * 3 * 2 * 5 * 2 * 32 * 8
-    assert model.num_flops_per_token(128) == dense + state
-    tied = build_seeded(tiny_args(family, tie_word_embeddings=True))
-    assert tied.num_flops_per_token(128) == dense + state  # the tied head still costs its matmul
+def test_num_flops_per_token_counted_by_hand(family):
+    """tiny_args(family, num_layers=2) counted by hand (docs/architecture.md, "FLOPs per token and
+    MFU"): C = 64, vocab 97; RWKV: H = 4 heads of K = V = 16; GSA: H = HQ = 2 heads of d = 32, M = 8
+    slots. F = 6 x (non-embedding parameters) + the state terms."""
+    C, head = 64, 97 * 64  # head: the LM head's matmul, counted tied or not
+    params, state = {
+        # per layer: r, k, v, g, output 5 C^2; ffn receptance C^2, key and value 2 x 224 C (width 3.5 C);
+        # mix LoRA C x 160 + 5 x 32 x C; decay LoRA C x 64 + 64 x C; vectors: attn_norm 2, mu 6,
+        # time_decay 1, bonus H K = 1, ln_x 2, ffn_norm 2, ffn mu 2 = 16 C. Once: pre_norm 2 C, final
+        # norm 2 C. State: o = S^T r 2KV, e^w * S KV, + k v^T 2KV = 5 K V per head, x 3.
+        "rwkv6": (2 * (6 * C * C + (160 + 160 + 64 + 64 + 2 * 224) * C + 16 * C) + 4 * C + head,
+                  2 * 3 * 5 * 4 * 16 * 16),
+        # per layer: r, k, v, output 4 C^2; ffn 2 x 256 C (width 4 C); LoRAs w, a, g 3 x 2 x 32 C; vectors:
+        # attn_norm 2, mu 6, w0 a0 k_k k_a 4, r_k 1, ln_x 2, ffn_norm 2, ffn mu 1 = 18 C. Layer 1 only:
+        # the v LoRA 2 x 32 C and v0 C. Once: pre_norm 2 C, final norm 2 C.
+        # State: a^T S 2KV, e^w * S KV, + b p 2KV, + k v^T 2KV, S^T q 2KV = 9 K V per head, x 3.
+        "rwkv7": (2 * (4 * C * C + 512 * C + 192 * C + 18 * C) + 64 * C + C + 4 * C + head,
+                  2 * 3 * 9 * 4 * 16 * 16),
+        # per layer: q, k, v, o 4 C^2; f_proj H M x C = 16 C; SwiGLU 3 x 256 C; attn_norm, g_norm, mlp_norm
+        # 3 C. Once: final norm C. State: per key/value head two updates 3 d M + 3 M d, per query head
+        # two reads 2 d M + 2 M d, x 3.
+        "gsa": (2 * (4 * C * C + 16 * C + 768 * C + 3 * C) + C + head,
+                2 * 3 * (2 * 6 * 32 * 8 + 2 * 4 * 32 * 8)),
+    }[family]
+    model = build_seeded(tiny_args(family, num_layers=2))
+    assert model.num_params(exclude_embeddings=True) == params  # the hand count's parameters are the model's
+    assert model.num_flops_per_token() == 6 * params + state
+    tied = build_seeded(tiny_args(family, num_layers=2, tie_word_embeddings=True))
+    assert tied.num_flops_per_token() == 6 * params + state  # the tied head still costs its matmul
 
 
 FREE_PARAMETERS = {

@@ -77,6 +77,8 @@ class Generation:
     """Further arguments: its train.py defaults where the demo names none."""
     kernel_variable: bool = False
     """Whether `RWKV_KERNEL` (its `--kernel`) picks the attention kernel."""
+    kernel_per_ctx_len: bool = False
+    """Whether its kernel is compiled for one ctx_len (`-D_T_`), under one extension name."""
 
 
 GENERATIONS = {
@@ -95,7 +97,8 @@ GENERATIONS = {
         args={"head_size_divisor": 8, "train_type": "", "layerwise_lr": 1, "my_pile_stage": 3,
               "my_pile_edecay": 0, "weight_decay_final": -1.0, "pre_ffn": 0, "head_qk": 0,
               "tiny_att_dim": 0, "tiny_att_layer": -999, "my_pos_emb": 0, "dropout": 0.0,
-              "my_qa_mask": 0, "my_random_steps": 0, "my_exit": 99999999}),
+              "my_qa_mask": 0, "my_random_steps": 0, "my_exit": 99999999},
+        kernel_per_ctx_len=True),
 }
 """RWKV-LM's trainer for each flame `model.family`."""
 
@@ -182,6 +185,28 @@ def _import_src(family: str, package: str):
         return importlib.import_module(f"{package}.model"), importlib.import_module(f"{package}.trainer")
 
 
+@contextlib.contextmanager
+def _extensions_folder(family: str, ctx_len: int):
+    """TORCH_EXTENSIONS_DIR, for a generation whose kernel is compiled for one ctx_len, set to a
+    subfolder per ctx_len while its model imports: torch names an extension's build folder after
+    the extension alone, so processes of two ctx_lens would rebuild each other's build there."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    if not generation(family).kernel_per_ctx_len:
+        yield
+        return
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = before or cpp_extension.get_default_build_root()
+    os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(root, f"rwkvlm-ctx{ctx_len}")
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_EXTENSIONS_DIR"]
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
 class _Built(Exception):
     """Raised by the stand-in of `cpp_extension.load` once its extension is built, to end the import there."""
 
@@ -217,7 +242,7 @@ def _build_one(family: str, head_size: int, ctx_len: int, index: int | None, ker
     os.environ.update(rwkvlm_environment(family, head_size, ctx_len, kernel, jit=True))
     torch.library.register_autograd = lambda *a, **k: None
     torch.jit.script = lambda fn, *a, **k: fn
-    with _extensions_skipped(index) as calls:
+    with _extensions_skipped(index) as calls, _extensions_folder(family, ctx_len):
         try:
             _import_src(family, "rwkvlm_build")
         except _Built:
@@ -269,7 +294,7 @@ def import_rwkvlm(family: str, head_size: int, ctx_len: int, *, kernel: str = "@
     if extensions and not torch.cuda.is_available():
         raise RwkvLmMissing("RWKV-LM's trainer needs a CUDA GPU")
     os.environ.update(rwkvlm_environment(family, head_size, ctx_len, kernel, jit))
-    with contextlib.nullcontext() if extensions else _extensions_skipped():
+    with contextlib.nullcontext() if extensions else _extensions_skipped(), _extensions_folder(family, ctx_len):
         model_module, trainer_module = _import_src(family, f"rwkvlm_{generation(family).my_testing}_{len(_IMPORTED)}")
     if extensions:
         torch.backends.cudnn.benchmark = True
@@ -430,7 +455,8 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
 
     flame's side is its one-GPU step: fp32 weights under bf16 autocast, the fused head with
     L2Wrap, `build_optimizer` and `build_lr_scheduler` of the config, `clip_grad_norm`. Returns
-    the losses, per-tensor relative RMS of the gradients, of the parameters after one update
+    the losses (RWKV-LM's in fp32: where its step returns a bf16 loss, the cross-entropy of its
+    logits in fp32; "rwkvlm_returned" as its step returns it), per-tensor relative RMS of the gradients, of the parameters after one update
     from each trainer's own gradients ("step"), and after one update of flame's optimizer from
     RWKV-LM's gradients ("optimizer": the hyperparameters, groups, LR and clipping alone), each
     keyed by RWKV-LM name; and for the tensors that start at zero, the fraction of elements whose
@@ -447,7 +473,18 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
 
     reference = RwkvLmTrainer(cfg, init, cfg.training.steps)
     lr = reference.set_lr(0)
-    loss_reference = reference.forward_backward(input_ids, labels).float().item()
+    logits = []
+    hook = reference.model.head.register_forward_hook(lambda module, inputs, output: logits.append(output))
+    loss_returned = reference.forward_backward(input_ids, labels)
+    hook.remove()
+    loss_reference = loss_returned.float().item()
+    if loss_returned.dtype != torch.float32 and logits:
+        # x060's step returns F.cross_entropy of its bf16 logits in bf16, rounded by up to 2^-8
+        # (more than the bound): compare with the cross-entropy of those logits in fp32.
+        with torch.no_grad():
+            loss_reference = torch.nn.functional.cross_entropy(
+                logits[0].float().flatten(0, 1), labels.cuda().flatten()).item()
+    del logits
     reference_grads = {n: p.grad.float().clone() for n, p in reference.model.named_parameters()
                        if p.grad is not None}
     reference.optimizer.step()
@@ -501,7 +538,7 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
 
     return {
         "lr": lr,
-        "loss": {"flame": float(loss.item()), "rwkvlm": loss_reference,
+        "loss": {"flame": float(loss.item()), "rwkvlm": loss_reference, "rwkvlm_returned": loss_returned.float().item(),
                  "relative": abs(float(loss.item()) - loss_reference) / loss_reference},
         "grad": {n: relative_rms(flame_grads[n], reference_grads[n]) for n in compared},
         "step": {n: relative_rms(after_own[n], reference_masters[n]) for n in compared},
@@ -531,7 +568,8 @@ def parity_table(result: dict) -> str:
     """The one-step comparison as text: losses, then the worst tensors of each measure."""
     loss = result["loss"]
     lines = [f"lr of update 1: {result['lr']:.3e}",
-             f"loss: flame {loss['flame']:.6f}  RWKV-LM {loss['rwkvlm']:.6f}  relative {loss['relative']:.2e}"]
+             f"loss: flame {loss['flame']:.6f}  RWKV-LM {loss['rwkvlm']:.6f} (its step returns "
+             f"{loss['rwkvlm_returned']:.6f})  relative {loss['relative']:.2e}"]
     for key, title in (("grad", "gradients"), ("step", "parameters after one update, own gradients"),
                        ("optimizer", "parameters after one update from RWKV-LM's gradients"),
                        ("zero_start_sign_flips", "zero-start tensors, fraction of opposite first updates")):

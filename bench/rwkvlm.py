@@ -342,7 +342,8 @@ class MasterWeightAdamW:
         self.optimizer.step()
         with torch.no_grad():
             for model_params, group in zip(self.model_params, self.optimizer.param_groups):
-                torch._foreach_copy_(model_params, group["params"])
+                if model_params:  # a group may be empty (x060's lr_3x)
+                    torch._foreach_copy_(model_params, group["params"])
         for params in self.model_params:
             for p in params:
                 p.grad = None
@@ -399,7 +400,8 @@ class RwkvLmTrainer:
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Its training_step's loss (mean CE with L2Wrap's gradient) and its backward."""
-        loss = self.model.training_step((input_ids.cuda(), labels.cuda()), 0)
+        # contiguous, as its DataLoader hands them (x060's step views them flat)
+        loss = self.model.training_step((input_ids.cuda().contiguous(), labels.cuda().contiguous()), 0)
         loss.backward()
         return loss.detach()
 

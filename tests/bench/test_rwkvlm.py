@@ -248,6 +248,7 @@ def test_master_weight_adamw_is_adamw_on_fp32_masters_of_a_bf16_model():
     torch.manual_seed(0)
     decayed, free = torch.nn.Parameter(torch.randn(16, 8).bfloat16()), torch.nn.Parameter(torch.randn(8).bfloat16())
     groups = [{"params": [free], "weight_decay": 0.0, "my_lr_scale": 2.0},
+              {"params": [], "weight_decay": 0.0, "my_lr_scale": 3.0},  # as x060's lr_3x
               {"params": [decayed], "weight_decay": 0.1, "my_lr_scale": 1.0}]
     optimizer = rwkvlm.MasterWeightAdamW(groups, lr=1e-2, betas=(0.9, 0.99), eps=1e-18,
                                          bias_correction=True, adam_w_mode=True, amsgrad=False)

@@ -74,7 +74,7 @@ class Generation:
     environment: dict[str, str] = field(default_factory=dict)
     """Further variables its train.py sets, as its demo flags set them."""
     args: dict = field(default_factory=dict)
-    """Further arguments: its train.py defaults where the demo names none."""
+    """Further arguments: the demo's flags, and its train.py's defaults where the demo names none."""
     kernel_variable: bool = False
     """Whether `RWKV_KERNEL` (its `--kernel`) picks the attention kernel."""
     kernel_per_ctx_len: bool = False
@@ -107,7 +107,7 @@ def generation(family: str) -> Generation:
     """RWKV-LM's trainer of flame's `model.family`."""
     if family not in GENERATIONS:
         raise RwkvLmMissing(f"RWKV-LM has no trainer for model.family = {family!r} (bench.rwkvlm runs "
-                         f"{' and '.join(GENERATIONS)})")
+                            f"{' and '.join(GENERATIONS)})")
     return GENERATIONS[family]
 
 
@@ -126,8 +126,8 @@ def rwkvlm_dir(family: str = "rwkv7") -> Path:
 
 def rwkvlm_args(model_cfg, training_cfg, optimizer_cfg, scheduler_cfg, steps: int) -> SimpleNamespace:
     """The argument namespace RWKV-LM's train.py builds for flame's config sections, for the
-    trainer of `model_cfg.family`, with its demo flags: head 64, bf16, one GPU, deepspeed stage
-    2, no gradient checkpointing."""
+    trainer of `model_cfg.family`, with its demo flags: bf16, one GPU, deepspeed stage 2, no
+    gradient checkpointing."""
     gen = generation(model_cfg.family)
     real_bsz = training_cfg.batch_size * training_cfg.gradient_accumulation_steps
     return SimpleNamespace(

@@ -4,20 +4,21 @@
 # configs/rwkv7_rwkvlm_demo.toml) or FAMILY=rwkv6 (its x060 trainer, configs/rwkv6_rwkvlm_demo.toml):
 #   L12-D768 demo recipe, 2000 steps: flame and RWKV-LM from RWKV-LM's init seeds 0 and 1, flame's own
 #   init (job.seed 42 and 43); with LARGE=1 (the default for rwkv7) the 340M shape too (L24-D1024,
-#   ctx 2048, batch 8), 500 steps, both trainers, and the parity table at 340M; and the family's GPU
-#   parity tests (tests/bench/test_rwkvlm_parity.py -k FAMILY).
+#   ctx 2048, batch 8), 500 steps, both trainers, and the parity table at 340M; and, unless
+#   PARITY=0, the family's GPU parity tests (tests/bench/test_rwkvlm_parity.py -k FAMILY).
 # Needs the shards and the RWKV-LM checkout of docs/rwkv-lm.md, and RWKV-LM's extensions built
 # (python -m bench.rwkvlm build --config configs/${FAMILY}_rwkvlm_demo.toml).
-# Usage: [FAMILY=rwkv6] [LARGE=0|1] bash bench/rwkvlm_curves.sh OUT_DIR [SCRATCH_DIR]
+# Usage: [FAMILY=rwkv6] [LARGE=0|1] [PARITY=0|1] bash bench/rwkvlm_curves.sh OUT_DIR [SCRATCH_DIR]
 # Each run writes OUT_DIR/<run>/metrics.jsonl as it goes, and OUT_DIR/<run>.log; OUT_DIR/queues.log
 # says when each run ended; OUT_DIR/report.txt holds the table, OUT_DIR/curves*.png the plots; at
-# the end OUT_DIR.tar.gz holds the whole folder (one file to bring back). SCRATCH_DIR (default
+# the end, or when the script is stopped (SIGTERM, e.g. by `timeout`), OUT_DIR.tar.gz holds the
+# whole folder (one file to bring back). SCRATCH_DIR (default
 # /dev/shm) holds the initial weights (0.4 and 0.9 GB) and temporary files.
 # Runs that need no initial weights start at once, beside the processes that write them; a run that
 # needs one waits for its file. Each queue is one GPU: the two runs of a pair being timed (flame and
 # RWKV-LM at one shape) are on different GPUs, each alone on its own.
 set -u
-out=${1:?usage: [FAMILY=rwkv6] [LARGE=0|1] bash bench/rwkvlm_curves.sh OUT_DIR [SCRATCH_DIR]}
+out=${1:?usage: [FAMILY=rwkv6] [LARGE=0|1] [PARITY=0|1] bash bench/rwkvlm_curves.sh OUT_DIR [SCRATCH_DIR]}
 scratch=${2:-/dev/shm}
 family=${FAMILY:-rwkv7}
 if [ "$family" = rwkv7 ]; then large=${LARGE:-1}; else large=${LARGE:-0}; fi
@@ -46,7 +47,9 @@ parity_test() {
     -k "$family" tests/bench/test_rwkvlm_parity.py > "$out/parity_test.log" 2>&1; log "parity test exit $?"; }
 # The parity tests run after the curve runs of the queue with the least else to do: GPU 0 with the
 # 340M runs, GPU 3 without them.
-if [ "$large" = 1 ]; then parity_queue=0; else parity_queue=3; fi
+if [ "${PARITY:-1}" = 0 ]; then parity_queue=none; elif [ "$large" = 1 ]; then parity_queue=0; else parity_queue=3; fi
+pack() { tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && echo "wrote $out.tar.gz"; }
+trap 'log "stopped"; kill $(jobs -p) 2>/dev/null; pack; exit 143' TERM INT
 # The init files are the family's: RWKV7 and RWKV6 weights in one scratch folder never mix.
 s0=$scratch/${family}_init_s0.pth s1=$scratch/${family}_init_s1.pth s340=$scratch/${family}_init340.pth
 
@@ -78,4 +81,4 @@ if [ "$large" = 1 ]; then
   python3 -m bench.rwkvlm report "$out"/rwkvlm_340M "$out"/flame_340M --out "$out/curves_340M.png" >> "$out/report.txt" 2>&1
 fi
 cat "$out/report.txt"
-tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && echo "wrote $out.tar.gz"
+pack

@@ -32,7 +32,7 @@ def fla_model_factory(family: str):
             config = fm.GSAConfig(num_heads=args.num_heads, num_slots=args.num_slots,
                                   gate_logit_normalizer=args.gate_logit_normalizer, **common)
             model = fm.GSAForCausalLM(config)
-        l2wrap = family == "rwkv7" and bool(args.l2wrap)
+        l2wrap = family in ("rwkv6", "rwkv7") and bool(args.l2wrap)  # as flame's RWKV models
 
         class FlaLM(nn.Module):
             """fla's model with flame's forward contract: logits, or the scaled CE sum given labels."""

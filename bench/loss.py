@@ -1,7 +1,7 @@
 """Speed and peak memory of the LM-head loss: flame's fused linear_cross_entropy against the plain head.
 
     python -m bench.loss                              # N=32768 tokens, D=1024, V=32000, bf16
-    python -m bench.loss --l2wrap --ignore 0.1        # with RWKV7's L2Wrap term, 10% of labels ignored
+    python -m bench.loss --l2wrap --ignore 0.1        # with RWKV's L2Wrap term, 10% of labels ignored
     python -m bench.loss --n 16384 --impls fused,plain
 
 What it measures, for one forward + backward of the loss of N tokens (hidden [N, D] and head weight

@@ -1,17 +1,23 @@
-"""RWKV-LM's own RWKV7 trainer step, run beside flame's on the same weights and the same batches.
+"""RWKV-LM's own RWKV7 (x070) and RWKV6 (x060) trainer step, run beside flame's on the same weights
+and the same batches.
 
+    python -m bench.rwkvlm build --config configs/rwkv7_rwkvlm_demo.toml
     python -m bench.rwkvlm init  --config configs/rwkv7_rwkvlm_demo.toml --seed 0 --out init.pth
     python -m bench.rwkvlm train --config configs/rwkv7_rwkvlm_demo.toml --init init.pth --out DIR
+    python -m bench.rwkvlm parity --config configs/rwkv6_rwkvlm_demo.toml
     python -m bench.rwkvlm report RUN [RUN ...] --out curves.png
 
-RWKV-LM (BlinkDL/RWKV-LM at commit RWKVLM_COMMIT, its `RWKV-v7/train_temp`) is never part of
-flame: put a checkout in `.rwkvlm/RWKV-LM` (ignored by git) or name one with FLAME_RWKVLM_DIR.
-What runs is RWKV-LM's code, not a re-implementation of it:
+The config's `model.family` picks RWKV-LM's trainer (`GENERATIONS`): rwkv7 runs its
+`RWKV-v7/train_temp` with `--my_testing x070`, rwkv6 its `RWKV-v5` with `--my_testing x060`.
+RWKV-LM (BlinkDL/RWKV-LM at commit RWKVLM_COMMIT) is never part of flame: put a checkout in
+`.rwkvlm/RWKV-LM` (ignored by git) or name one with FLAME_RWKVLM_DIR. What runs is RWKV-LM's code,
+not a re-implementation of it:
 - its model class `src.model.RWKV` with its CUDA kernels (compiled on first use by its own
-  `torch.utils.cpp_extension.load` calls; the chunked attention is its `rwkv7_clampw_v3` "@rwkv3"
-  H100 kernel), its `training_step` (L2Wrap + cross-entropy kernel), `generate_init_weight`
-  (the initial weights) and `configure_optimizers` (its parameter groups: decay on every `.weight`
-  matrix, the embedding and head included, `att.w0` at 2x LR);
+  `torch.utils.cpp_extension.load` calls: for x070 the chunked attention is its
+  `rwkv7_clampw_v3` "@rwkv3" H100 kernel, for x060 its `wkv6` kernel), its `training_step`
+  (cross-entropy with L2Wrap), `generate_init_weight` (the initial weights) and
+  `configure_optimizers` (its parameter groups: decay on every `.weight` matrix, the embedding
+  and head included; `att.w0` or `att.time_decay` at 2x LR);
 - its LR schedule, `train_callback.on_train_batch_start` (warmup from 1%, cosine to lr_final
   over `my_exit_tokens`), called before every step as PyTorch Lightning calls it.
 Two pieces of its trainer are stood in for, because its DeepSpeed / Lightning stack is not
@@ -27,11 +33,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,63 +48,122 @@ import torch
 
 RWKVLM_COMMIT = "524481d"
 """The RWKV-LM commit the comparison was made with (`git -C RWKV-LM checkout 524481d`)."""
-DEFAULT_DIR = Path(__file__).resolve().parents[1] / ".rwkvlm" / "RWKV-LM"
-TRAIN_TEMP = Path("RWKV-v7") / "train_temp"
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DIR = REPO / ".rwkvlm" / "RWKV-LM"
+DEFAULT_CONFIG = "configs/rwkv7_rwkvlm_demo.toml"
 
 
 class RwkvLmMissing(RuntimeError):
-    """No RWKV-LM checkout (or no GPU) to run its trainer on."""
+    """RWKV-LM's trainer cannot run: no checkout, no GPU, or none for the model family."""
 
 
-def rwkvlm_dir() -> Path:
-    """The RWKV-v7/train_temp folder of the RWKV-LM checkout (FLAME_RWKVLM_DIR or .rwkvlm/RWKV-LM)."""
-    root = Path(os.environ.get("FLAME_RWKVLM_DIR", DEFAULT_DIR))
-    folder = root / TRAIN_TEMP
+@dataclass(frozen=True)
+class Generation:
+    """One of RWKV-LM's trainers: where its train.py is, the environment it sets before it imports
+    its model, and the arguments its model, `configure_optimizers` and `train_callback` read beyond
+    the ones every generation shares (`rwkvlm_args`), at the values of its demo run."""
+
+    my_testing: str
+    """Its `--my_testing`, which picks the model classes."""
+    folder: Path
+    """Its train.py's folder inside the checkout."""
+    head_size_variable: str
+    """The environment variable of the head size (its kernels' `_N_`)."""
+    head_size_arg: str
+    """The same in `args`."""
+    environment: dict[str, str] = field(default_factory=dict)
+    """Further variables its train.py sets, as its demo flags set them."""
+    args: dict = field(default_factory=dict)
+    """Further arguments: the demo's flags, and its train.py's defaults where the demo names none."""
+    kernel_variable: bool = False
+    """Whether `RWKV_KERNEL` (its `--kernel`) picks the attention kernel."""
+    kernel_per_ctx_len: bool = False
+    """Whether its kernel is compiled for one ctx_len (`-D_T_`), under one extension name."""
+
+
+GENERATIONS = {
+    # RWKV-v7/train_temp/train.py; demo-training-run.sh passes --kernel @rwkv3.
+    "rwkv7": Generation(
+        my_testing="x070", folder=Path("RWKV-v7") / "train_temp",
+        head_size_variable="RWKV_HEAD_SIZE", head_size_arg="head_size",
+        environment={"RWKV_HEAD_L2WRAP_CE_CHUNK": "0"}, args={"head_chunk": 0, "train_stage": 3},
+        kernel_variable=True),
+    # RWKV-v5/train.py with --my_testing x060 (demo-training-run.sh: "x060 => rwkv-6.0"): one
+    # kernel, cuda/wkv6_cuda.cu, built for the head size and ctx_len (`_N_`, `_T_`).
+    "rwkv6": Generation(
+        my_testing="x060", folder=Path("RWKV-v5"),
+        head_size_variable="RWKV_HEAD_SIZE_A", head_size_arg="head_size_a",
+        environment={"RWKV_TRAIN_TYPE": ""},
+        args={"head_size_divisor": 8, "train_type": "", "layerwise_lr": 1, "my_pile_stage": 3,
+              "my_pile_edecay": 0, "weight_decay_final": -1.0, "pre_ffn": 0, "head_qk": 0,
+              "tiny_att_dim": 0, "tiny_att_layer": -999, "my_pos_emb": 0, "dropout": 0.0,
+              "my_qa_mask": 0, "my_random_steps": 0, "my_exit": 99999999},
+        kernel_per_ctx_len=True),
+}
+"""RWKV-LM's trainer for each flame `model.family`."""
+
+
+def generation(family: str) -> Generation:
+    """RWKV-LM's trainer of flame's `model.family`."""
+    if family not in GENERATIONS:
+        raise RwkvLmMissing(f"RWKV-LM has no trainer for model.family = {family!r} (bench.rwkvlm runs "
+                            f"{' and '.join(GENERATIONS)})")
+    return GENERATIONS[family]
+
+
+def rwkvlm_dir(family: str = "rwkv7") -> Path:
+    """The folder of `family`'s train.py in the RWKV-LM checkout (FLAME_RWKVLM_DIR or .rwkvlm/RWKV-LM)."""
+    root = Path(os.environ.get("FLAME_RWKVLM_DIR", DEFAULT_DIR)).resolve()
+    subfolder = generation(family).folder
+    folder = root / subfolder
     if not (folder / "src" / "model.py").is_file():
         raise RwkvLmMissing(
-            f"no RWKV-LM checkout at {root} (looked for {TRAIN_TEMP}/src/model.py): clone "
+            f"no RWKV-LM checkout at {root} (looked for {subfolder}/src/model.py): clone "
             f"https://github.com/BlinkDL/RWKV-LM, check out {RWKVLM_COMMIT}, and put it there or "
             "set FLAME_RWKVLM_DIR")
     return folder
 
 
 def rwkvlm_args(model_cfg, training_cfg, optimizer_cfg, scheduler_cfg, steps: int) -> SimpleNamespace:
-    """The argument namespace RWKV-LM's train.py builds, for flame's config sections (its demo
-    flags: x070, head 64, bf16, one GPU, deepspeed stage 2, no gradient checkpointing)."""
+    """The argument namespace RWKV-LM's train.py builds for flame's config sections, for the
+    trainer of `model_cfg.family`, with its demo flags: bf16, one GPU, deepspeed stage 2, no
+    gradient checkpointing."""
+    gen = generation(model_cfg.family)
     real_bsz = training_cfg.batch_size * training_cfg.gradient_accumulation_steps
     return SimpleNamespace(
-        my_testing="x070", n_layer=model_cfg.num_layers, n_embd=model_cfg.hidden_size,
+        my_testing=gen.my_testing, n_layer=model_cfg.num_layers, n_embd=model_cfg.hidden_size,
         dim_att=model_cfg.hidden_size, dim_ffn=int((model_cfg.hidden_size * 3.5) // 32 * 32),
-        vocab_size=model_cfg.vocab_size, head_size=model_cfg.head_dim, ctx_len=training_cfg.seq_len,
-        micro_bsz=training_cfg.batch_size, real_bsz=real_bsz, grad_cp=0, head_chunk=0,
+        vocab_size=model_cfg.vocab_size, ctx_len=training_cfg.seq_len,
+        micro_bsz=training_cfg.batch_size, real_bsz=real_bsz, grad_cp=0,
         lr_init=optimizer_cfg.lr, lr_final=scheduler_cfg.lr_min,
         warmup_steps=scheduler_cfg.warmup_steps - 1 if scheduler_cfg.warmup_start > 0 else scheduler_cfg.warmup_steps,
         betas=tuple(optimizer_cfg.betas), adam_eps=optimizer_cfg.eps,
         weight_decay=optimizer_cfg.weight_decay, grad_clip=training_cfg.max_norm,
         # the cosine ends after `steps` updates: RWKV-LM's exit point in tokens
         my_exit_tokens=steps * training_cfg.seq_len * real_bsz, magic_prime=0,
-        epoch_begin=0, epoch_steps=1, epoch_save=0, proj_dir="", strategy="deepspeed_stage_2",
-        accelerator="GPU", precision="bf16", train_stage=3, load_model="", wandb="",
+        # its train.py: epoch_count = magic_prime // 40320
+        epoch_count=0, epoch_begin=0, epoch_steps=1, epoch_save=0, proj_dir="",
+        strategy="deepspeed_stage_2", accelerator="GPU", precision="bf16", load_model="", wandb="",
         my_timestamp="", data_type="binidx",
+        **{gen.head_size_arg: model_cfg.head_dim}, **gen.args,
     )
 
 
-def set_rwkvlm_environment(head_size: int, ctx_len: int, kernel: str, jit: bool) -> None:
-    """The environment variables RWKV-LM's train.py sets before it imports its model."""
-    os.environ.update({
-        "RWKV_MY_TESTING": "x070", "RWKV_KERNEL": kernel, "RWKV_CTXLEN": str(ctx_len),
-        "RWKV_HEAD_SIZE": str(head_size), "RWKV_HEAD_L2WRAP_CE_CHUNK": "0",
-        "RWKV_FLOAT_MODE": "bf16", "RWKV_JIT_ON": "1" if jit else "0",
-    })
+def rwkvlm_environment(family: str, head_size: int, ctx_len: int, kernel: str, jit: bool) -> dict[str, str]:
+    """The environment variables RWKV-LM's train.py of `family` sets before it imports its model."""
+    gen = generation(family)
+    env = {"RWKV_MY_TESTING": gen.my_testing, "RWKV_CTXLEN": str(ctx_len), gen.head_size_variable: str(head_size),
+           "RWKV_FLOAT_MODE": "bf16", "RWKV_JIT_ON": "1" if jit else "0", **gen.environment}
+    if gen.kernel_variable:
+        env["RWKV_KERNEL"] = kernel
+    return env
 
 
 @contextlib.contextmanager
-def _in_train_temp():
-    """sys.path and the working directory set to RWKV-LM's train_temp folder, as its train.py runs
-    (its load() calls name the CUDA sources relative to it); the directory restored after."""
-    folder = rwkvlm_dir()
+def _in_folder(folder: Path):
+    """The working directory set to RWKV-LM's train.py folder, as its train.py runs (its load()
+    calls name the CUDA sources relative to it), restored after."""
     cwd = os.getcwd()
-    sys.path.insert(0, str(folder))
     os.chdir(folder)
     try:
         yield
@@ -103,51 +171,102 @@ def _in_train_temp():
         os.chdir(cwd)
 
 
-class _Built(Exception):
-    """Raised by `_build_one` once its extension is built, to end the import there."""
+def _import_src(family: str, package: str):
+    """`family`'s `src/model.py` and `src/trainer.py` imported as `{package}.model` and
+    `{package}.trainer`: each generation's folder has its own `src` package, so each import gets a
+    name of its own (TorchScript, which compiles its modules, reads their source through
+    sys.modules)."""
+    folder = rwkvlm_dir(family)
+    spec = importlib.util.spec_from_file_location(package, folder / "src" / "__init__.py",
+                                                  submodule_search_locations=[str(folder / "src")])
+    sys.modules[package] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[package])
+    with _in_folder(folder):
+        return importlib.import_module(f"{package}.model"), importlib.import_module(f"{package}.trainer")
 
 
-def _build_one(index: int | None, kernel: str) -> int:
-    """Import RWKV-LM's model with every `cpp_extension.load` call but number `index` (and the
-    registrations that need the built ops) skipped; build that one, then stop. With index None,
-    build nothing and return the number of load calls."""
+@contextlib.contextmanager
+def _extensions_folder(family: str, ctx_len: int):
+    """TORCH_EXTENSIONS_DIR, for a generation whose kernel is compiled for one ctx_len, set to a
+    subfolder per ctx_len while its model imports: torch names an extension's build folder after
+    the extension alone, so processes of two ctx_lens would rebuild each other's build there."""
     import torch.utils.cpp_extension as cpp_extension
 
-    set_rwkvlm_environment(64, 512, kernel, jit=True)
+    if not generation(family).kernel_per_ctx_len:
+        yield
+        return
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = before or cpp_extension.get_default_build_root()
+    os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(root, f"rwkvlm-ctx{ctx_len}")
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_EXTENSIONS_DIR"]
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
+class _Built(Exception):
+    """Raised by the stand-in of `cpp_extension.load` once its extension is built, to end the import there."""
+
+
+@contextlib.contextmanager
+def _extensions_skipped(build: int | None = None):
+    """`torch.utils.cpp_extension.load` skipped during an import of RWKV-LM's model, but for call
+    number `build`, which builds its extension and raises _Built. Yields the list of the names
+    the calls asked for."""
+    import torch.utils.cpp_extension as cpp_extension
+
     calls = []
     real_load = cpp_extension.load
 
     def load(*args, **kwargs):
         calls.append(kwargs.get("name"))
-        if index is not None and len(calls) - 1 == index:
+        if build is not None and len(calls) - 1 == build:
             real_load(*args, **kwargs)
             raise _Built
         return SimpleNamespace()
 
     cpp_extension.load = load
+    try:
+        yield calls
+    finally:
+        cpp_extension.load = real_load
+
+
+def _build_one(family: str, head_size: int, ctx_len: int, index: int | None, kernel: str) -> int:
+    """Import RWKV-LM's model with every `cpp_extension.load` call but number `index` (and the
+    registrations that need the built ops) skipped; build that one, then stop. With index None,
+    build nothing and return the number of load calls. Run in a process of its own."""
+    os.environ.update(rwkvlm_environment(family, head_size, ctx_len, kernel, jit=True))
     torch.library.register_autograd = lambda *a, **k: None
     torch.jit.script = lambda fn, *a, **k: fn
-    with _in_train_temp():
+    with _extensions_skipped(index) as calls, _extensions_folder(family, ctx_len):
         try:
-            import src.model  # noqa: F401
+            _import_src(family, "rwkvlm_build")
         except _Built:
             pass
     return len(calls)
 
 
-def build_kernels(kernel: str = "@rwkv3", log=print) -> None:
-    """Build RWKV-LM's CUDA extensions (in TORCH_EXTENSIONS_DIR) in parallel processes, one per
-    `load` call of its model module, so that importing the model afterwards finds them built
-    (its own import builds them one after the other)."""
+def build_kernels(cfg, kernel: str = "@rwkv3", log=print) -> None:
+    """Build RWKV-LM's CUDA extensions for the config's family, head size and ctx_len (in
+    TORCH_EXTENSIONS_DIR) in parallel processes, one per `load` call of its model module, so that
+    importing the model afterwards finds them built (its own import builds them one after the other)."""
     import subprocess
 
+    family, head_size, ctx_len = cfg.model.family, cfg.model.head_dim, cfg.training.seq_len
+
     def child(index) -> subprocess.Popen:
-        code = f"import bench.rwkvlm as r; print(r._build_one({index}, {kernel!r}))"
+        code = f"import bench.rwkvlm as r; print(r._build_one({family!r}, {head_size}, {ctx_len}, {index}, {kernel!r}))"
         return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[1])
+                                stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
     counter = child(None)
     output, _ = counter.communicate()
+    if counter.returncode != 0:
+        raise RuntimeError(f"importing RWKV-LM's {family} model failed:\n{output[-3000:]}")
     count = int(output.strip().splitlines()[-1])
     start = time.time()
     children = [child(i) for i in range(count)]
@@ -155,21 +274,33 @@ def build_kernels(kernel: str = "@rwkv3", log=print) -> None:
         output, _ = proc.communicate()
         if proc.returncode != 0:
             raise RuntimeError(f"building RWKV-LM's extension {i} failed:\n{output[-3000:]}")
-    log(f"built RWKV-LM's {count} CUDA extensions in {time.time() - start:.0f} s")
+    log(f"built RWKV-LM's {count} CUDA extension(s) for {family} in {time.time() - start:.0f} s")
 
 
-def import_rwkvlm(head_size: int, ctx_len: int, *, kernel: str = "@rwkv3", jit: bool = True):
-    """RWKV-LM's `src.model` and `src.trainer` modules, imported as its train.py imports them (its
-    environment variables set first; its CUDA extensions built from its `cuda/` folder)."""
-    if not torch.cuda.is_available():
+_IMPORTED: dict[tuple, tuple] = {}
+
+
+def import_rwkvlm(family: str, head_size: int, ctx_len: int, *, kernel: str = "@rwkv3", jit: bool = True,
+                  extensions: bool = True):
+    """RWKV-LM's `src.model` and `src.trainer` modules of `family`'s trainer, imported as its
+    train.py imports them (its environment variables set first; its CUDA extensions built from
+    its `cuda/` folder), once per process and set of arguments.
+
+    With `extensions=False` its `cpp_extension.load` calls are skipped and no GPU is needed: the
+    model's Python code runs until it calls a kernel, which the caller replaces (tests/bench)."""
+    key = (family, head_size, ctx_len, kernel, jit, extensions)
+    if key in _IMPORTED:
+        return _IMPORTED[key]
+    if extensions and not torch.cuda.is_available():
         raise RwkvLmMissing("RWKV-LM's trainer needs a CUDA GPU")
-    set_rwkvlm_environment(head_size, ctx_len, kernel, jit)
-    with _in_train_temp():
-        import src.model as model_module
-        import src.trainer as trainer_module
-    torch.backends.cudnn.benchmark = True
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    os.environ.update(rwkvlm_environment(family, head_size, ctx_len, kernel, jit))
+    with contextlib.nullcontext() if extensions else _extensions_skipped(), _extensions_folder(family, ctx_len):
+        model_module, trainer_module = _import_src(family, f"rwkvlm_{generation(family).my_testing}_{len(_IMPORTED)}")
+    if extensions:
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    _IMPORTED[key] = model_module, trainer_module
     return model_module, trainer_module
 
 
@@ -211,7 +342,8 @@ class MasterWeightAdamW:
         self.optimizer.step()
         with torch.no_grad():
             for model_params, group in zip(self.model_params, self.optimizer.param_groups):
-                torch._foreach_copy_(model_params, group["params"])
+                if model_params:  # a group may be empty (x060's lr_3x)
+                    torch._foreach_copy_(model_params, group["params"])
         for params in self.model_params:
             for p in params:
                 p.grad = None
@@ -220,37 +352,56 @@ class MasterWeightAdamW:
         return norm
 
 
+def lightning_stand_in() -> SimpleNamespace:
+    """The attributes of Lightning's Trainer that RWKV-LM's model and LR callback read, on one GPU
+    (not rank zero, so that neither logs nor saves)."""
+    return SimpleNamespace(is_global_zero=False, strategy=None, global_step=0, optimizers=[], my_lr=0.0, my_wd=0.0)
+
+
+def rwkvlm_optimizer(model_module, model, lightning: SimpleNamespace) -> MasterWeightAdamW:
+    """RWKV-LM's `configure_optimizers` for `model` (its groups), constructing `MasterWeightAdamW`
+    where it constructs DeepSpeed's FusedAdam, with its `grad_clip`; set as Lightning's optimizer."""
+    model_module.FusedAdam = MasterWeightAdamW
+    model._trainer = lightning
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its groups
+        optimizer = model.configure_optimizers()
+    optimizer.grad_clip = model.args.grad_clip
+    lightning.optimizers = [optimizer]
+    return optimizer
+
+
+def callback_lr(callback, lightning: SimpleNamespace, step: int) -> float:
+    """RWKV-LM's LR for update `step` (0-based): its callback's `on_train_batch_start`, which sets
+    it on every group of Lightning's optimizer."""
+    lightning.global_step = step
+    callback.on_train_batch_start(lightning, None, None, step)
+    return lightning.my_lr
+
+
 class RwkvLmTrainer:
     """RWKV-LM's model, optimizer groups, schedule and training step for flame's config sections."""
 
     def __init__(self, cfg, init_path: str | Path, steps: int, *, kernel: str = "@rwkv3", jit: bool = True):
         self.args = rwkvlm_args(cfg.model, cfg.training, cfg.optimizer, cfg.lr_scheduler, steps)
-        self.model_module, self.trainer_module = import_rwkvlm(cfg.model.head_dim, cfg.training.seq_len,
-                                                               kernel=kernel, jit=jit)
+        self.model_module, self.trainer_module = import_rwkvlm(cfg.model.family, cfg.model.head_dim,
+                                                               cfg.training.seq_len, kernel=kernel, jit=jit)
         model = self.model_module.RWKV(self.args)
         state = torch.load(init_path, map_location="cpu", weights_only=True)
         model.load_state_dict(state)
         self.model = model.cuda().bfloat16()  # DeepSpeed bf16: the module itself is bf16
         self.model.train()
-        self.model_module.FusedAdam = MasterWeightAdamW  # what configure_optimizers constructs
-        self.lightning = SimpleNamespace(is_global_zero=False, strategy=None, global_step=0,
-                                         optimizers=[], my_lr=0.0, my_wd=0.0)
-        self.model._trainer = self.lightning
-        with contextlib.redirect_stdout(sys.stderr):  # it prints its groups
-            self.optimizer = self.model.configure_optimizers()
-        self.optimizer.grad_clip = self.args.grad_clip
-        self.lightning.optimizers = [self.optimizer]
+        self.lightning = lightning_stand_in()
+        self.optimizer = rwkvlm_optimizer(self.model_module, self.model, self.lightning)
         self.callback = self.trainer_module.train_callback(self.args)
 
     def set_lr(self, step: int) -> float:
         """RWKV-LM's LR for update `step` (0-based), set on every group as its callback does."""
-        self.lightning.global_step = step
-        self.callback.on_train_batch_start(self.lightning, self.model, None, step)
-        return self.lightning.my_lr
+        return callback_lr(self.callback, self.lightning, step)
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Its training_step's loss (mean CE with L2Wrap's gradient) and its backward."""
-        loss = self.model.training_step((input_ids.cuda(), labels.cuda()), 0)
+        # contiguous, as its DataLoader hands them (x060's step views them flat)
+        loss = self.model.training_step((input_ids.cuda().contiguous(), labels.cuda().contiguous()), 0)
         loss.backward()
         return loss.detach()
 
@@ -275,7 +426,7 @@ def write_init(cfg, seed: int, out: str | Path) -> None:
     seeding torch with `seed` (train.py's --random_seed), saved as its train.py saves them (bf16)."""
     args = rwkvlm_args(cfg.model, cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
     start = time.time()
-    model_module, _ = import_rwkvlm(cfg.model.head_dim, cfg.training.seq_len)
+    model_module, _ = import_rwkvlm(cfg.model.family, cfg.model.head_dim, cfg.training.seq_len)
     imported = time.time()
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
@@ -306,7 +457,8 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
 
     flame's side is its one-GPU step: fp32 weights under bf16 autocast, the fused head with
     L2Wrap, `build_optimizer` and `build_lr_scheduler` of the config, `clip_grad_norm`. Returns
-    the losses, per-tensor relative RMS of the gradients, of the parameters after one update
+    the losses (RWKV-LM's in fp32: where its step returns a bf16 loss, the cross-entropy of its
+    logits in fp32; "rwkvlm_returned" as its step returns it), per-tensor relative RMS of the gradients, of the parameters after one update
     from each trainer's own gradients ("step"), and after one update of flame's optimizer from
     RWKV-LM's gradients ("optimizer": the hyperparameters, groups, LR and clipping alone), each
     keyed by RWKV-LM name; and for the tensors that start at zero, the fraction of elements whose
@@ -323,7 +475,18 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
 
     reference = RwkvLmTrainer(cfg, init, cfg.training.steps)
     lr = reference.set_lr(0)
-    loss_reference = reference.forward_backward(input_ids, labels).float().item()
+    logits = []
+    hook = reference.model.head.register_forward_hook(lambda module, inputs, output: logits.append(output))
+    loss_returned = reference.forward_backward(input_ids, labels)
+    hook.remove()
+    loss_reference = loss_returned.float().item()
+    if loss_returned.dtype != torch.float32 and logits:
+        # x060's step returns F.cross_entropy of its bf16 logits in bf16, rounded by up to 2^-8
+        # (more than the bound): compare with the cross-entropy of those logits in fp32.
+        with torch.no_grad():
+            loss_reference = torch.nn.functional.cross_entropy(
+                logits[0].float().flatten(0, 1), labels.cuda().flatten()).item()
+    del logits
     reference_grads = {n: p.grad.float().clone() for n, p in reference.model.named_parameters()
                        if p.grad is not None}
     reference.optimizer.step()
@@ -377,7 +540,7 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
 
     return {
         "lr": lr,
-        "loss": {"flame": float(loss.item()), "rwkvlm": loss_reference,
+        "loss": {"flame": float(loss.item()), "rwkvlm": loss_reference, "rwkvlm_returned": loss_returned.float().item(),
                  "relative": abs(float(loss.item()) - loss_reference) / loss_reference},
         "grad": {n: relative_rms(flame_grads[n], reference_grads[n]) for n in compared},
         "step": {n: relative_rms(after_own[n], reference_masters[n]) for n in compared},
@@ -407,7 +570,8 @@ def parity_table(result: dict) -> str:
     """The one-step comparison as text: losses, then the worst tensors of each measure."""
     loss = result["loss"]
     lines = [f"lr of update 1: {result['lr']:.3e}",
-             f"loss: flame {loss['flame']:.6f}  RWKV-LM {loss['rwkvlm']:.6f}  relative {loss['relative']:.2e}"]
+             f"loss: flame {loss['flame']:.6f}  RWKV-LM {loss['rwkvlm']:.6f} (its step returns "
+             f"{loss['rwkvlm_returned']:.6f})  relative {loss['relative']:.2e}"]
     for key, title in (("grad", "gradients"), ("step", "parameters after one update, own gradients"),
                        ("optimizer", "parameters after one update from RWKV-LM's gradients"),
                        ("zero_start_sign_flips", "zero-start tensors, fraction of opposite first updates")):
@@ -555,6 +719,8 @@ def main(argv: list[str] | None = None) -> None:
     p_parity.add_argument("--seed", type=int, default=0, help="RWKV-LM init seed")
     p_parity.add_argument("--json", type=Path, default=None, help="write every number here too")
     p_build = sub.add_parser("build", help="build RWKV-LM's CUDA extensions in parallel")
+    p_build.add_argument("--config", default=DEFAULT_CONFIG, help="flame config: its model.family, head_dim and "
+                         f"training.seq_len pick the extensions (default {DEFAULT_CONFIG})")
     p_build.add_argument("--kernel", default="@rwkv3")
     p_report = sub.add_parser("report", help="table and PNG of runs' curves")
     p_report.add_argument("runs", nargs="+", type=Path)
@@ -576,7 +742,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"RWKV-LM: {len(rows)} steps in {time.time() - t0:.0f} s, mean loss of the last "
                   f"10% {tail_mean(rows):.4f}, median {median_speed(rows):,.0f} tokens/s")
         elif args.command == "build":
-            build_kernels(args.kernel)
+            build_kernels(job_config(args.config, args.set), args.kernel)
         elif args.command == "parity":
             import tempfile
 

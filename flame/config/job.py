@@ -89,7 +89,8 @@ class Model:
     tie_word_embeddings: bool = False
     """Share the input embedding and the output head."""
     l2wrap: bool = True
-    """RWKV7: add the L2Wrap logit penalty to the gradient (the reported loss is unchanged)."""
+    """RWKV6 and RWKV7: add the L2Wrap logit penalty to the gradient, as RWKV-LM's trainers do (the
+    reported loss is unchanged)."""
     backend: str = field(default="auto", metadata=one_of("auto", "triton", "torch"))
     """Attention kernels: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch"."""
     cache_intermediates: bool = False

@@ -60,7 +60,8 @@ def fla_config(model_args, state_dict: dict[str, torch.Tensor], token_ids: dict)
                 "proj_low_rank_dim": state_dict["layers.0.attn.mix_w2"].shape[1],
                 "gate_low_rank_dim": state_dict["layers.0.attn.decay_w1"].shape[1],
                 "intermediate_size": state_dict["layers.0.ffn.key.weight"].shape[0],
-                "hidden_act": "sqrelu", "norm_first": True, "norm_bias": True, "use_l2warp": False}
+                "hidden_act": "sqrelu", "norm_first": True, "norm_bias": True,
+                "use_l2warp": bool(model_args.l2wrap)}
     return {**common, "num_heads": model_args.num_heads,
             "num_kv_heads": model_args.num_kv_heads or model_args.num_heads,
             "num_slots": model_args.num_slots, "gate_logit_normalizer": model_args.gate_logit_normalizer,

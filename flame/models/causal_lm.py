@@ -27,7 +27,7 @@ class CausalLM(nn.Module):
     `forward_with_state(input_ids, state) -> (logits, state)` continues from a recurrent state.
 
     Attributes used by the trainer: `embeddings`, `layers` (one block per layer, the unit of
-    sharding, checkpointing and compile), `norm`, `lm_head`. `l2wrap` (bool): the loss adds RWKV7's
+    sharding, checkpointing and compile), `norm`, `lm_head`. `l2wrap` (bool): the loss adds RWKV-LM's
     L2Wrap term to the gradient (`flame.models.l2wrap`, normalised by `loss_scale`); set by the
     family from its arguments, False unless the family uses it.
 

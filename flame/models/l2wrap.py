@@ -1,4 +1,4 @@
-"""L2Wrap (RWKV7, docs/kernels.md#l2wrap): leave the loss alone, nudge the largest logit towards zero.
+"""L2Wrap (RWKV6 and RWKV7, docs/kernels.md#l2wrap): leave the loss alone, nudge the largest logit towards zero.
 
 The forward returns the loss unchanged. The backward passes the loss gradient through and adds,
 at each valid token's arg-max logit, `grad_loss * 1e-4 * max_logit / normalizer`, where

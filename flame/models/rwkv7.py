@@ -261,10 +261,6 @@ class RWKV7Block(RWKVBlock):
 
 
 class RWKV7ForCausalLM(RWKVCausalLM):
-    def __init__(self, args):
-        super().__init__(args)
-        self.l2wrap = bool(getattr(args, "l2wrap", False))
-
     def _build_layers(self, args) -> list[nn.Module]:
         return [RWKV7Block(args, i) for i in range(args.num_layers)]
 

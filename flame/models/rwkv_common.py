@@ -100,7 +100,12 @@ def stack_padded(mats: list[torch.Tensor], rows: int | None = None, cols: int | 
 
 
 class RWKVCausalLM(CausalLM):
-    """The RWKV language model: LayerNorm final norm; the family builds its blocks."""
+    """The RWKV language model: LayerNorm final norm; the family builds its blocks. The loss adds
+    L2Wrap with `args.l2wrap`, as RWKV-LM's training step does for RWKV6 (x060) and RWKV7 (x070)."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.l2wrap = bool(getattr(args, "l2wrap", False))
 
     def _build_norm(self, args) -> nn.Module:
         return LayerNorm(args.hidden_size, eps=args.norm_eps)

@@ -152,7 +152,7 @@ class StepPipeline:
 
     def loss(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
         """`scale` * the micro-batch's CE sum over its valid tokens, from the model's fused head
-        (the full logits are never held; RWKV7's L2Wrap, when the model has it, is in the gradient)."""
+        (the full logits are never held; RWKV's L2Wrap, when the model has it, is in the gradient)."""
         input_ids, labels, cu_seqlens = self.model_inputs(batch)
         self._begin_model_call()
         with self.compute_weights.active(), self.autocast():

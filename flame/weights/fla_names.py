@@ -237,7 +237,7 @@ def model_args_from_fla_config(config: dict):
         head_dim = C // config["num_heads"]
         return Model(**common, head_dim=head_dim, mix_low_rank_dim=config["proj_low_rank_dim"],
                      group_norm_eps=fla_group_norm_eps(family, head_dim, common["norm_eps"]),
-                     decay_low_rank_dim=config["gate_low_rank_dim"])
+                     decay_low_rank_dim=config["gate_low_rank_dim"], l2wrap=bool(config.get("use_l2warp", False)))
     for key, allowed in (("use_short_conv", (False,)), ("use_output_gate", (False,)), ("feature_map", ("swish",)),
                          ("hidden_act", ("swish", "silu")), ("exapnd_k", (1, 1.0)), ("exapnd_v", (1, 1.0)),
                          ("clamp_min", (None,)), ("clamp_max", (None,))):

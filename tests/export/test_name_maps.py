@@ -70,3 +70,20 @@ def test_rwkv_lm_layout_of_vectors_and_layer0_value_lora(runs):
     assert weights["blocks.0.att.x_r"].shape == (1, 1, 64) and weights["blocks.1.ffn.x_k"].shape == (1, 1, 64)
     assert weights["blocks.0.att.w1"].shape == (64, 32) and weights["blocks.0.att.r_k"].shape == (2, 32)
     assert not weights["blocks.0.att.v1"].any()  # unused by RWKV-LM at layer 0, written as zeros
+
+
+def test_fla_config_carries_rwkv6_l2wrap_both_ways():
+    """fla's RWKV6 has `use_l2warp` (default False) as its RWKV7 does: the export writes flame's
+    `model.l2wrap`, and reading the config back gives it again."""
+    from flame.export.fla import fla_config
+    from flame.models import build_model
+    from flame.weights.fla_names import model_args_from_fla_config
+    from tests.models.helpers import tiny_args
+
+    for l2wrap in (True, False):
+        args = tiny_args("rwkv6", l2wrap=l2wrap, group_norm_eps=1e-5)
+        config = fla_config(args, build_model(args).state_dict(), {})
+        assert config["use_l2warp"] is l2wrap
+        assert model_args_from_fla_config(config).l2wrap is l2wrap
+    config.pop("use_l2warp")
+    assert model_args_from_fla_config(config).l2wrap is False  # fla's RWKV6Config default

@@ -1,5 +1,5 @@
 """The trainer's fused loss (model(..., labels=, loss_scale=), flame.ops.linear_cross_entropy) equals
-the plain path it replaces: logits, cross_entropy_sum / step valid-token count, and RWKV7's L2Wrap
+the plain path it replaces: logits, cross_entropy_sum / step valid-token count, and RWKV's L2Wrap
 through flame.models.l2wrap (flame.train.loss.micro_batch_loss)."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ def plain_forward_backward(trainer, micro_batches, use_l2wrap):
     return total
 
 
-@pytest.mark.parametrize("family,use_l2wrap", [("rwkv7", True), ("rwkv7", False), ("rwkv6", False)])
+@pytest.mark.parametrize("family,use_l2wrap", [("rwkv7", True), ("rwkv7", False), ("rwkv6", True)])
 def test_fused_step_equals_the_plain_logits_step(tmp_path, family, use_l2wrap):
     cfg = tiny_config(tmp_path, model={"family": family, "l2wrap": use_l2wrap},
                       training={"batch_size": 2, "gradient_accumulation_steps": 2})
     trainer = Trainer(cfg, dataloader=())
-    assert trainer.model.l2wrap is (family == "rwkv7" and use_l2wrap)
+    assert trainer.model.l2wrap is use_l2wrap
     input_ids, labels = random_batches(4, 16, seed=3)
     labels[0, 5:] = -100  # uneven valid counts between the two micro-batches
     labels[3, :2] = -100
@@ -57,6 +57,8 @@ def test_model_loss_matches_its_logits_and_l2wrap_follows_the_family_args():
     model = build_model(tiny_args("rwkv7"))
     assert model.l2wrap is True
     assert build_model(tiny_args("rwkv7", l2wrap=False)).l2wrap is False
+    assert build_model(tiny_args("rwkv6")).l2wrap is True  # RWKV-LM's x060 step has L2Wrap too
+    assert build_model(tiny_args("rwkv6", l2wrap=False)).l2wrap is False
     assert build_model(tiny_args("gsa")).l2wrap is False
     input_ids, labels = random_batches(2, 10, seed=4)
     input_ids, labels = input_ids % 97, labels % 97

@@ -147,7 +147,7 @@ def linear_cross_entropy(hidden, weight, labels, *, scale=1.0, l2wrap=False, chu
         labels: [N] int64 class indices; IGNORE_INDEX (-100) rows count for nothing.
         scale: float or one-element tensor multiplying the sum (the trainer passes 1 / the step's
             valid-token count); a constant, not differentiated.
-        l2wrap: add RWKV7's L2Wrap term to the gradient (flame.models.l2wrap with its normalizer folded
+        l2wrap: add RWKV's L2Wrap term to the gradient (flame.models.l2wrap with its normalizer folded
             into scale): scale * 1e-4 * max_logit at the arg-max logit of each row with a label. The
             loss value is unchanged.
         chunk_rows: rows per chunk; None picks default_chunk_rows(V) (a chunk's fp32 logits <= 1 GiB).

@@ -16,7 +16,7 @@ def cross_entropy_rows_torch(logits: torch.Tensor, labels: torch.Tensor, l2wrap:
     Returns (loss [n] in fp32 (fp64 for fp64 logits), 0 on ignored rows; the gradient of the loss sum
     with respect to the logits, [n, V] in the logits' dtype, or None without `need_grad`). The gradient
     is softmax - onehot(label) on valid rows, plus, with `l2wrap`, L2WRAP_FACTOR * max_logit at the
-    row's arg-max column (RWKV7's L2Wrap); ignored rows get exactly 0, by selection, so that a
+    row's arg-max column (RWKV's L2Wrap); ignored rows get exactly 0, by selection, so that a
     non-finite logit on an ignored row does not leak into the gradient.
     """
     x = logits.to(accumulation_dtype(logits.dtype))

@@ -18,7 +18,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"
 # (2.5*sqrt(768)/32 = 2.17 -> 2, 1.7*sqrt(768)/32 = 1.47 -> 1, 5*sqrt(768)/32 = 4.33 -> 4).
 RWKV7_RANKS = {128: (32, 32, 32, 64), 768: (64, 64, 32, 128), 1024: (64, 64, 64, 160),
                2048: (128, 128, 64, 224), 2560: (128, 128, 96, 256), 4096: (160, 160, 96, 320)}
-RWKV6_FFN = {1024: 3584, 2048: 7168, 2560: 8960}  # 3.5 C rounded down to 32
+RWKV6_FFN = {768: 2688, 1024: 3584, 2048: 7168, 2560: 8960}  # 3.5 C rounded down to 32
 GSA_FFN = {1024: 2816, 2048: 5632}  # 8/3 C rounded up to 256
 SIZES = {"340M": (1024, 24), "1B": (2048, 24), "3B": (2560, 32), "7B": (4096, 32)}
 """(hidden size, layers) of each size in the shipped configs' names; 3B and 7B are the shapes of
@@ -86,6 +86,11 @@ def test_config_sizes_match_the_issue():
             # value-residual LoRA (C + 2 x C x 32) included
             assert (m.family, m.vocab_size, m.hidden_size, m.num_layers, m.head_dim) == ("rwkv7", 65536, 768, 12, 64)
             assert COUNTS["rwkv7"](m) == 191_084_544 - (768 + 2 * 768 * 32)
+            assert (t.seq_len, t.batch_size, t.activation_checkpoint) == (512, 16, "none")
+            continue
+        if path.stem == "rwkv6_rwkvlm_demo":
+            # RWKV-LM's x060 demo shape (RWKV-v5/demo-training-run.sh with MODEL_TYPE x060)
+            assert (m.family, m.vocab_size, m.hidden_size, m.num_layers, m.head_dim) == ("rwkv6", 65536, 768, 12, 64)
             assert (t.seq_len, t.batch_size, t.activation_checkpoint) == (512, 16, "none")
             continue
         if path.stem == "tiny":

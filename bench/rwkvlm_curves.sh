@@ -28,8 +28,11 @@ mkdir -p "$out" "$scratch"
 out=$(cd "$out" && pwd)
 # Four queues share the host's cores: bound each process's CPU thread pools.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} TMPDIR=$scratch
-shape340="--model.num_layers 24 --model.hidden_size 1024 --training.seq_len 2048 --training.batch_size 8
-  --training.steps 500 --optimizer.lr 4e-4 --lr_scheduler.lr_min 4e-5"
+# The 340M shape; its runs take batch 8 for 500 steps, its parity table batch 4 (one step of both
+# trainers in one process).
+model340="--model.num_layers 24 --model.hidden_size 1024 --training.seq_len 2048 --optimizer.lr 4e-4
+  --lr_scheduler.lr_min 4e-5"
+shape340="$model340 --training.batch_size 8 --training.steps 500"
 log() { echo "$(date +%T) $*" | tee -a "$out/queues.log"; }
 flame() { local name=$1; shift
   python3 -m flame.train --config $config --checkpoint.enable false --job.dump_folder "$out/$name" \
@@ -66,7 +69,7 @@ log "start $family (340M shape: $large)"
  flame flame_owninit_s43 --job.seed 43
  await "$s1"; flame flame_rwkvinit_s1 --checkpoint.initial_load_path "$s1"
  if [ "$large" = 1 ]; then
-   python3 -m bench.rwkvlm parity --config $config $shape340 --training.batch_size 4 --json "$out/parity340.json" \
+   python3 -m bench.rwkvlm parity --config $config $model340 --training.batch_size 4 --json "$out/parity340.json" \
      > "$out/parity340.log" 2>&1; log "parity 340M exit $?"
  fi; wait) &
 (export CUDA_VISIBLE_DEVICES=3

@@ -38,6 +38,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -627,8 +628,9 @@ def tail_mean(rows: list[dict], fraction: float = 0.1) -> float:
 
 
 def median_speed(rows: list[dict], skip: int = 10) -> float:
-    speeds = sorted(r["tokens_per_s_per_device"] for r in rows[skip:] if "tokens_per_s_per_device" in r)
-    return speeds[len(speeds) // 2] if speeds else float("nan")
+    """Median tokens/s per device of the steps after the first `skip` (NaN when there are none)."""
+    speeds = [r["tokens_per_s_per_device"] for r in rows[skip:] if "tokens_per_s_per_device" in r]
+    return statistics.median(speeds) if speeds else float("nan")
 
 
 def report(runs: list[Path], out: Path | None, smooth: int = 20, max_step: int = 0) -> str:

@@ -69,21 +69,22 @@ def _check_float_dtypes(op: str, tensors: dict[str, torch.Tensor], same: bool) -
             raise TypeError(f"{op}: {name} must have a floating dtype (float32, float16, bfloat16 or float64), "
                             f"got {x.dtype}")
     if same:
-        names = list(tensors)
-        first = tensors[names[0]].dtype
-        for name in names[1:]:
-            if tensors[name].dtype != first:
-                raise TypeError(f"{op}: {', '.join(names)} must share one dtype; {names[0]} is {first} but "
-                                f"{name} is {tensors[name].dtype}")
+        _require_one(op, tensors, "dtype", TypeError, f"{', '.join(tensors)} must share one dtype", "is")
 
 
 def _check_devices(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    _require_one(op, tensors, "device", ValueError, "every tensor must be on one device", "is on")
+
+
+def _require_one(op: str, tensors: dict[str, torch.Tensor], attribute: str, error: type[Exception],
+                 rule: str, verb: str) -> None:
+    """Raise `error` naming the first tensor whose `attribute` differs from the first tensor's."""
     names = list(tensors)
-    first = tensors[names[0]].device
+    first = getattr(tensors[names[0]], attribute)
     for name in names[1:]:
-        if tensors[name].device != first:
-            raise ValueError(f"{op}: every tensor must be on one device; {names[0]} is on {first} but {name} "
-                             f"is on {tensors[name].device}")
+        value = getattr(tensors[name], attribute)
+        if value != first:
+            raise error(f"{op}: {rule}; {names[0]} {verb} {first} but {name} {verb} {value}")
 
 
 def _check_token_major(op: str, ref_name: str, ref: torch.Tensor, tensors: dict[str, torch.Tensor],

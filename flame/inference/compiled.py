@@ -15,7 +15,9 @@ compile fixed shapes only: flame.eval its full batches of full windows, prefill 
 number of tokens; the rest of their work runs eagerly.
 
 Inductor needs CUDA and Triton here; elsewhere (CPU) the blocks run eagerly, with no error. A block
-whose compilation fails warns once and runs eagerly from then on.
+whose compilation fails warns once and runs eagerly from then on. Dynamo may have run the part of a
+block before a graph break when a later part fails to compile, so a caller whose blocks carry state
+from call to call asks `compilation_failed` afterwards and starts its work again eagerly.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ class _CompiledBlocks:
             try:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as err:
-                # compilation failed before the graph ran (no side effect on the inputs or state):
-                # the same call eagerly gives the result, or the real error of bad input
+                # the same call eagerly gives the result (or the real error of bad input) when the
+                # block has no state; callers with state check compilation_failed (module docstring)
                 self.failed = True
                 first = str(err).strip().splitlines()[0] if str(err).strip() else ""
                 warnings.warn(f"flame inference: torch.compile of the model's blocks failed, they run eagerly "
@@ -84,6 +86,13 @@ def _compiled_for(model: nn.Module, backend) -> _CompiledBlocks:
     if entry is None or len(entry.blocks) != len(blocks) or any(a is not b for a, b in zip(entry.blocks, blocks)):
         entry = cache[backend] = _CompiledBlocks(blocks, backend)
     return entry
+
+
+def compilation_failed(model: nn.Module, compile=True) -> bool:
+    """Whether compiling `model`'s blocks for `compile` (as `compiled_blocks` takes it) has failed."""
+    backend = INDUCTOR if compile is True else compile
+    entry = _COMPILED.get(model, {}).get(backend)
+    return entry is not None and entry.failed
 
 
 @contextmanager

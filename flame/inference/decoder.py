@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from flame.inference.compiled import compiled_blocks
+from flame.inference.compiled import compilation_failed, compiled_blocks
 from flame.models.state import LayerState
 
 WARMUP_STEPS = 2
@@ -169,6 +169,8 @@ def prefill(model, prompts: torch.Tensor | list[torch.Tensor], compile=True
                     logits, state = model.forward_with_state(prompts[:, done:done + PREFILL_SEGMENT], state,
                                                              last_only=True)
                     done += PREFILL_SEGMENT
+        if compilation_failed(model, compile):
+            state, done = None, 0  # a part of a block may have run twice: the whole prompt eagerly
     if done == 0:
         logits, state = model.forward_with_state(prompts, last_only=True)
     elif done < prompts.shape[1]:

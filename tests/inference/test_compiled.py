@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounter
 
 from flame.data.tokenizer import load_tokenizer
 from flame.inference import decoder
-from flame.inference.compiled import compile_supported, compiled_blocks
+from flame.inference.compiled import compilation_failed, compile_supported, compiled_blocks
 from flame.inference.decoder import prefill
 from flame.inference.evaluation import evaluate
 from flame.ops.utils.checks import value_checks_off
@@ -137,6 +137,30 @@ def test_a_failing_compilation_warns_once_and_runs_eagerly():
             assert compiled is False  # the model's blocks stay eager from then on
         prefill(model, ids, compile=broken_backend)
     assert len(calls) == tried == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_compilation_failing_after_the_first_segment_restarts_the_prompt_eagerly(family):
+    """The first segment's graphs compile and run; the next segment's (which continue a state)
+    fail: the prompt runs again eagerly from its start, so the result is the eager prefill's bitwise,
+    whatever part of a block ran before the failure."""
+    graphs = []
+
+    def fails_after_the_first_segment(graph, example_inputs):
+        graphs.append(1)
+        if len(graphs) > 1:
+            raise RuntimeError("no compiler for this graph")
+        return graph.forward
+
+    model = trained_like(family)
+    ids = torch.randint(0, 256, (2, 3 * SEGMENT + 3), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), value_checks_off():
+        with pytest.warns(RuntimeWarning, match="torch.compile of the model's blocks failed"):
+            logits, state = prefill(model, ids, compile=fails_after_the_first_segment)
+        ref_logits, ref_state = prefill(model, ids, compile=False)
+    assert compilation_failed(model, fails_after_the_first_segment) and len(graphs) == 2
+    assert torch.equal(logits, ref_logits)
+    assert_states_equal(state, ref_state, rtol=0, atol=0)
 
 
 def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -41,6 +41,11 @@ GPU_MODELS = {
     "gsa": {"family": "gsa", "num_heads": 4, "num_slots": 32},
 }
 GPU_STEPS = 8
+GPU_LR = {"gsa": 1e-3}
+"""Learning rates other than the tiny configs' 3e-3: at 3e-3 GSA's bf16 and fp32 runs of this
+model follow each other for six steps, then one of them spikes (loss 4.59 against 4.25 at step 7
+on an H100) and they part; at 1e-3 the runs stay within bf16 rounding and the loss still falls by
+more than MIN_FALL."""
 
 
 def gpu_config(dump, family: str = "rwkv7", **training):
@@ -53,7 +58,7 @@ def gpu_config(dump, family: str = "rwkv7", **training):
     return tiny_config(dump, model={**GPU_MODELS[family], "hidden_size": 256, "num_layers": 10, "backend": "auto"},
                        training={"device": "cuda", "batch_size": 1, "seq_len": 256, "gradient_accumulation_steps": 4,
                                  "steps": 100, **training},
-                       optimizer={"implementation": "fused"})
+                       optimizer={"implementation": "fused", **({"lr": GPU_LR[family]} if family in GPU_LR else {})})
 
 
 def gpu_trace(tmp_path, name, family, compile, broken=None, **training):

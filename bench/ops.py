@@ -1,5 +1,6 @@
 """Speed of flame's linear-attention kernels on one CUDA GPU, against fla's at the same shapes when
-fla is installed: the forward, and forward + backward, of each registered op.
+fla is installed, and against RWKV-LM's RWKV7 kernels where an op names them: the forward, and
+forward + backward, of each registered op.
 
     python -m bench.ops                        # every registered op at its shapes
     python -m bench.ops --ops chunk_rwkv6      # a subset
@@ -7,6 +8,7 @@ fla is installed: the forward, and forward + backward, of each registered op.
     python -m bench.ops --value-checks         # with flame's input value checks (a host sync per call)
     python -m bench.ops --ops chunk_gsa --warm-only   # compile (and autotune) only, no timing
     python -m bench.ops --ops chunk_gsa --shape 2 --libs fla   # one shape, one library
+    python -m bench.ops --ops chunk_rwkv7_logit --libs flame,rwkvlm,rwkvlm_h100   # beside RWKV-LM's kernels
     python -m bench.ops --ops chunk_rwkv7 --libs flame --profile \
         --launch "_bwd_maps_kernel:num_warps=8,maxnreg=None"  # a launch-option variant of a kernel
 
@@ -16,7 +18,13 @@ else: several such processes in parallel (one per op, shape and library) fill Tr
 and a timing run after them starts warm. Do not time while other processes use the GPU.
 
 Times are medians of `triton.testing.do_bench` (ms): the forward, and forward + backward (the
-backward of <o, do> with a fixed random do). `ratio` is flame / fla (< 1: flame is faster).
+backward of <o, do> with a fixed random do). Each op and shape prints one line per library; `ratio`
+is flame / that library (< 1: flame is faster).
+
+RWKV-LM's kernels (`rwkvlm`: its default `rwkv7_clampw`, `rwkvlm_h100`: `rwkv7_clampw_v3_for_h100`,
+bench/rwkvlm_kernels.py) need its checkout (docs/rwkv-lm.md) and nvcc; each builds on first use.
+They take the decay's logit and apply `-exp(-0.5) * sigmoid` inside, so `chunk_rwkv7_logit` times
+flame's and fla's chunk_rwkv7 with that sigmoid in the timed call, as flame's RWKV7 layer runs it.
 
 `--launch KERNEL:KEY=VALUE,...` (repeatable) overrides launch keywords (num_warps, num_stages,
 maxnreg, or a kernel's constexpr block sizes) of any of flame's Triton kernels in flame/ops, by the
@@ -24,9 +32,10 @@ kernel's name, for this process: the way to time a launch variant of any family'
 the default in two runs. Values are Python literals; a kernel under `triton.autotune` takes no
 override of what its configs set.
 
-Each op is one `BenchOp` in REGISTRY: a name, its shapes, an input builder and the flame and fla
-callables (fla's is None where fla has no counterpart, or returns None when fla is not installed).
-A family adds its entry with `register(BenchOp(...))` below the existing ones.
+Each op is one `BenchOp` in REGISTRY: a name, its shapes, an input builder, the flame and fla
+callables (fla's is None where fla has no counterpart, or returns None when fla is not installed),
+and further libraries' loaders (`peers`). A family adds its entry with `register(BenchOp(...))`
+below the existing ones.
 """
 
 from __future__ import annotations
@@ -54,6 +63,9 @@ class BenchOp:
     make_inputs: Callable[..., dict]                # (dtype, device, **shape) -> dict of tensors (leaves require grad)
     flame: Callable[[dict], torch.Tensor]           # inputs -> o
     fla: Callable[[], Callable[[dict], torch.Tensor] | None] | None = None   # () -> (inputs -> o), or None
+    peers: tuple[tuple[str, Callable[[], Callable[[dict], torch.Tensor]]], ...] = ()
+    """(library, loader): other implementations; a loader raises RwkvLmMissing (or ImportError)
+    where its library is not available."""
 
 
 REGISTRY: dict[str, BenchOp] = {}
@@ -164,6 +176,49 @@ for _name, _options in (("chunk_rwkv7", {}), ("chunk_rwkv7_cached", {"cache_inte
                         ("chunk_rwkv7_recompute_states", {"recompute_states": True})):
     register(BenchOp(name=_name, shapes=RWKV7_SHAPES, make_inputs=_rwkv7_inputs,
                      flame=_flame_chunk_rwkv7(**_options), fla=_fla_chunk_rwkv7))
+
+
+def _rwkv7_logit_inputs(dtype, device, B, T, H, K, V):
+    """The layer's inputs with the decay as its logit (standard normal), as RWKV-LM's kernels take it."""
+    x = _rwkv7_inputs(dtype, device, B, T, H, K, V)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x["w"] = torch.randn(B, T, H, K, device=device, generator=gen).to(dtype).requires_grad_(True)
+    return x
+
+
+def _logit_to_log_decay(x):
+    return {**x, "w": RWKV7_LOG_DECAY_BOUND * torch.sigmoid(x["w"])}
+
+
+def _flame_chunk_rwkv7_logit(x):
+    return _flame_chunk_rwkv7()(_logit_to_log_decay(x))
+
+
+def _fla_chunk_rwkv7_logit():
+    fn = _fla_chunk_rwkv7()
+    return None if fn is None else (lambda x: fn(_logit_to_log_decay(x)))
+
+
+def _rwkvlm_rwkv7(lib: str):
+    def load():
+        from bench.rwkvlm_kernels import attention
+        kernel = attention(lib)
+        return lambda x: kernel(*_rwkv7_args(x))
+    return load
+
+
+# the layer's decay from its logit inside the timed call, beside RWKV-LM's two kernels, at the shipped
+# configs' shapes (rwkv7_340M B8 H16, rwkv7_1B's heads per batch B4 H32 and B4 H16) and longer T
+register(BenchOp(
+    name="chunk_rwkv7_logit",
+    shapes=(dict(B=8, T=2048, H=16, K=64, V=64), dict(B=4, T=2048, H=32, K=64, V=64),
+            dict(B=4, T=2048, H=16, K=64, V=64), dict(B=4, T=4096, H=16, K=64, V=64),
+            dict(B=2, T=8192, H=16, K=64, V=64), dict(B=1, T=16384, H=16, K=64, V=64)),
+    make_inputs=_rwkv7_logit_inputs,
+    flame=_flame_chunk_rwkv7_logit,
+    fla=_fla_chunk_rwkv7_logit,
+    peers=(("rwkvlm", _rwkvlm_rwkv7("rwkvlm")), ("rwkvlm_h100", _rwkvlm_rwkv7("rwkvlm_h100"))),
+))
 register(BenchOp(  # no bound: exact per-pair exponents (C = 16) on both sides
     name="chunk_rwkv7_exact",
     shapes=RWKV7_SHAPES[:1],
@@ -297,15 +352,42 @@ def _profile(fn: Callable[[dict], torch.Tensor], inputs: dict, title: str) -> No
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
-def _row(times: dict[str, tuple[float, float]]) -> str:
-    """flame fwd, fla fwd, ratio, flame f+b, fla f+b, ratio; '-' where a library was not timed."""
-    cells = []
-    for j, width in ((0, 10), (1, 11)):
-        mine, theirs = times.get("flame"), times.get("fla")
-        cells.append(f"{mine[j]:>{width}.3f}" if mine else f"{'-':>{width}}")
-        cells.append(f"{theirs[j]:>10.3f}" if theirs else f"{'-':>10}")
-        cells.append(f"{mine[j] / theirs[j]:>7.2f}" if mine and theirs else f"{'-':>7}")
-    return "".join(cells)
+def _lines(name: str, label: str, times: dict[str, tuple[float, float]]) -> list[str]:
+    """One line per library: its forward and forward+backward ms, and flame's time over its."""
+    mine = times.get("flame")
+    lines = []
+    for lib, (fwd, both) in times.items():
+        ratios = (f"{mine[0] / fwd:>7.2f}{mine[1] / both:>7.2f}" if mine and lib != "flame"
+                  else f"{'-':>7}{'-':>7}")
+        lines.append(f"{name:<24}{label:<28}{lib:<13}{fwd:>9.3f}{both:>9.3f}{ratios}")
+    return lines
+
+
+def known_libs() -> list[str]:
+    """flame, fla, then every registered op's peer libraries."""
+    libs = ["flame", "fla"]
+    for op in REGISTRY.values():
+        libs += [lib for lib, _ in op.peers if lib not in libs]
+    return libs
+
+
+def load_callables(op: BenchOp, libs: set[str], unavailable: dict[str, str]) -> list[tuple[str, Callable]]:
+    """(library, inputs -> o) of `op` for the selected libraries that it has; a library that cannot
+    be loaded is named once in `unavailable` (with why) and left out."""
+    fns = []
+    if "flame" in libs:
+        fns.append(("flame", op.flame))
+    if "fla" in libs and op.fla is not None and (fn := op.fla()) is not None:
+        fns.append(("fla", fn))
+    for lib, loader in op.peers:
+        if lib not in libs or lib in unavailable:
+            continue
+        try:
+            fns.append((lib, loader()))
+        except (ImportError, OSError, RuntimeError) as err:  # RwkvLmMissing is a RuntimeError
+            unavailable[lib] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            print(f"{lib}: not available ({unavailable[lib]})", flush=True)
+    return fns
 
 
 def main(argv=None) -> None:
@@ -317,21 +399,22 @@ def main(argv=None) -> None:
     parser.add_argument("--warm-only", action="store_true",
                         help="compile and autotune only: one forward+backward per op, shape and library")
     parser.add_argument("--shape", type=int, default=None, help="only this index into each op's shapes")
-    parser.add_argument("--libs", default="flame,fla", help="flame,fla (default), flame or fla")
+    parser.add_argument("--libs", default="flame,fla",
+                        help=f"comma-separated of {', '.join(known_libs())} (default flame,fla)")
     parser.add_argument("--value-checks", action="store_true",
                         help="keep flame's input value checks on (one host sync per call; fla has none)")
     parser.add_argument("--launch", action="append", default=[], metavar="KERNEL:KEY=VALUE,...",
                         help="override launch keywords of one of flame's Triton kernels (repeatable)")
     args = parser.parse_args(argv)
-    require_cuda("bench.ops")
-    dtype = getattr(torch, args.dtype)
     names = [n for n in args.ops.split(",") if n]
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise SystemExit(f"unknown ops {unknown}; registered: {list(REGISTRY)}")
     libs = {lib for lib in args.libs.split(",") if lib}
-    if not libs or not libs <= {"flame", "fla"}:
-        raise SystemExit(f"--libs takes flame, fla or both, not {args.libs!r}")
+    if not libs or not libs <= set(known_libs()):
+        raise SystemExit(f"--libs takes a comma-separated subset of {', '.join(known_libs())}, not {args.libs!r}")
+    require_cuda("bench.ops")
+    dtype = getattr(torch, args.dtype)
 
     if "fla" in libs and not fla_available():
         print(FLA_MISSING)
@@ -342,27 +425,26 @@ def main(argv=None) -> None:
     set_value_checks(args.value_checks)
     print(f"device: {torch.cuda.get_device_name()}, dtype {args.dtype}, times in ms (median), "
           f"flame value checks {'on' if args.value_checks else 'off'}")
-    header = f"{'op':<24}{'shape':<28}{'flame fwd':>10}{'fla fwd':>10}{'ratio':>7}" \
-             f"{'flame f+b':>11}{'fla f+b':>10}{'ratio':>7}"
-    print(header)
+    header = f"{'op':<24}{'shape':<28}{'lib':<13}{'fwd':>9}{'f+b':>9}{'ratio':>7}{'ratio':>7}"
+    print(header + "   (ratio: flame / lib, fwd and f+b)")
     print("-" * len(header))
+    unavailable: dict[str, str] = {}
     for name in names:
         op = REGISTRY[name]
-        fla_fn = op.fla() if op.fla is not None and "fla" in libs else None
-        flame_fn = op.flame if "flame" in libs else None
+        fns = load_callables(op, libs, unavailable)
         for i, shape in enumerate(op.shapes):
             if args.shape is not None and i != args.shape:
                 continue
             label = "_".join(f"{k}{v}" for k, v in shape.items())
             try:  # one failing op (or fla version mismatch) must not hide the others' numbers
                 inputs = op.make_inputs(dtype, "cuda", **shape)
-                fns = [(lib, fn) for lib, fn in (("flame", flame_fn), ("fla", fla_fn)) if fn is not None]
                 if args.warm_only:
                     for _, fn in fns:
                         warm_forward_backward(fn, inputs)
                     print(f"{name:<24}{label:<28}warm", flush=True)
                 else:
-                    print(f"{name:<24}{label:<28}{_row({lib: forward_and_backward_ms(fn, inputs) for lib, fn in fns})}", flush=True)
+                    for line in _lines(name, label, {lib: forward_and_backward_ms(fn, inputs) for lib, fn in fns}):
+                        print(line, flush=True)
                     if args.profile and (args.shape is not None or i == 0):
                         for lib, fn in fns:
                             _profile(fn, inputs, f"{lib} {name} {label}")

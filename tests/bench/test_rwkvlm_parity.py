@@ -1,9 +1,10 @@
 """One training step of flame against RWKV-LM's own trainer step (bench/rwkvlm.py), for RWKV7 (its
 x070 trainer, configs/rwkv7_rwkvlm_demo.toml) and RWKV6 (its x060 trainer,
 configs/rwkv6_rwkvlm_demo.toml): the same weights (RWKV-LM's generate_init_weight), the same batch,
-the demo recipe's hyperparameters; and RWKV-LM's wkv6 kernel beside flame's chunk_rwkv6. Needs a
-GPU, an RWKV-LM checkout (.rwkvlm/RWKV-LM or FLAME_RWKVLM_DIR), pytorch_lightning and the rwkv
-package; skips without them. docs/rwkv-lm.md explains the bounds."""
+the demo recipe's hyperparameters; RWKV-LM's wkv6 kernel beside flame's chunk_rwkv6; its RWKV7
+kernels and flame's chunk_rwkv7 against the fp64 recurrence. Needs a GPU, an RWKV-LM checkout
+(.rwkvlm/RWKV-LM or FLAME_RWKVLM_DIR), pytorch_lightning and the rwkv package; skips without them.
+docs/rwkv-lm.md explains the bounds."""
 
 from __future__ import annotations
 
@@ -101,3 +102,42 @@ def test_rwkvlms_wkv6_kernel_equals_chunk_rwkv6():
     print(errors)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 2e-2, (worst, errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["rwkvlm", "rwkvlm_h100"])
+def test_rwkvlms_rwkv7_kernels_and_chunk_rwkv7_match_the_fp64_recurrence(lib):
+    """RWKV-LM's RWKV7 kernels as bench.ops times them (bench/rwkvlm_kernels.py: the decay's logit
+    in, exp(-exp(-0.5) sigmoid) inside) and flame's chunk_rwkv7 on the layer's log-decay, both from
+    the same bf16 values, against the fp64 step-by-step recurrence: the output and all six gradients
+    (through the logit) within bf16 level, 2e-2 relative RMS. A kernel row of bench.ops compares
+    two implementations of the same function only if this holds."""
+    needs_rwkvlm("rwkv7")
+    from bench.ops import RWKV7_LOG_DECAY_BOUND, _rwkv7_logit_inputs
+    from bench.rwkvlm_kernels import attention
+    from flame.ops.rwkv7.chunk import chunk_rwkv7
+    from flame.ops.rwkv7.naive import naive_rwkv7
+
+    x = _rwkv7_logit_inputs(torch.bfloat16, "cuda", B=2, T=256, H=4, K=64, V=64)
+    names = ["r", "w", "k", "v", "a", "b"]
+    do = torch.randn(2, 256, 4, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+
+    def run(fn, dtype):
+        leaves = [x[n].detach().to(dtype).requires_grad_() for n in names]
+        o = fn(*leaves)
+        o.backward(do.to(o.dtype))
+        return [o.detach().double()] + [t.grad.double() for t in leaves]
+
+    def logit_to_decay(fn, **options):
+        return lambda r, w, *rest: fn(r, RWKV7_LOG_DECAY_BOUND * torch.sigmoid(w), *rest, scale=1.0, **options)[0]
+
+    reference = run(logit_to_decay(naive_rwkv7), torch.float64)
+    theirs = run(attention(lib), torch.bfloat16)
+    ours = run(logit_to_decay(chunk_rwkv7, backend="triton", gate_lower_bound=RWKV7_LOG_DECAY_BOUND), torch.bfloat16)
+    labels = ["o"] + [f"d{n}" for n in names]
+    errors = {who: {label: rwkvlm.relative_rms(got, want) for label, got, want in zip(labels, result, reference)}
+              for who, result in (("rwkvlm", theirs), ("flame", ours))}
+    print(lib, errors)
+    for who, per_tensor in errors.items():
+        worst = max(per_tensor, key=per_tensor.get)
+        assert per_tensor[worst] <= 2e-2, (who, worst, per_tensor)

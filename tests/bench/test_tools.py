@@ -94,3 +94,44 @@ def test_every_gpu_tool_refuses_a_cpu(tool, monkeypatch):
     message = stopped.value.code
     assert isinstance(message, str) and "\n" not in message, message
     assert message.startswith(f"bench.{tool} measures on a CUDA GPU and none is visible"), message
+
+
+def test_ops_names_its_libraries_before_looking_for_a_gpu():
+    from bench import ops
+
+    with pytest.raises(SystemExit, match="flame, fla, rwkvlm, rwkvlm_h100, not 'flame,nope'"):
+        ops.main(["--libs", "flame,nope"])
+
+
+def test_ops_leaves_out_a_library_it_cannot_load_and_says_why_once(tmp_path, monkeypatch, capsys):
+    """RWKV-LM's kernels without its checkout: each of the two libraries is named once, with the
+    folder looked in, and the op keeps flame's callable."""
+    from bench import ops
+
+    monkeypatch.setenv("FLAME_RWKVLM_DIR", str(tmp_path))
+    op = ops.REGISTRY["chunk_rwkv7_logit"]
+    unavailable: dict[str, str] = {}
+    for _ in range(2):
+        fns = ops.load_callables(op, {"flame", "rwkvlm", "rwkvlm_h100"}, unavailable)
+        assert [lib for lib, _ in fns] == ["flame"]
+    assert set(unavailable) == {"rwkvlm", "rwkvlm_h100"}
+    assert all(str(tmp_path) in why for why in unavailable.values()), unavailable
+    assert capsys.readouterr().out.count("not available") == 2
+
+
+def test_ops_prints_a_line_per_library_with_flames_time_over_its():
+    from bench import ops
+
+    lines = ops._lines("chunk_rwkv7_logit", "B8", {"flame": (1.0, 4.0), "rwkvlm_h100": (2.0, 3.2)})
+    assert lines[0].split()[2:] == ["flame", "1.000", "4.000", "-", "-"]
+    assert lines[1].split()[2:] == ["rwkvlm_h100", "2.000", "3.200", "0.50", "1.25"]
+
+
+def test_rwkvlm_kernels_name_what_breaks_their_contract():
+    import torch
+
+    from bench.rwkvlm_kernels import check_inputs
+
+    x = torch.zeros(1, 32, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous bf16 CUDA tensors of r's shape .* r is torch.bfloat16"):
+        check_inputs(x, x, x, x, x, x)

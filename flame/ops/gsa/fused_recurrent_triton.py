@@ -44,27 +44,67 @@ def _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_slots(q, k, s, g, hk0, p, hkT, cu_seqlens, scale, T,
-               H: tl.constexpr, NG: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
-               BK: tl.constexpr, BM: tl.constexpr,
-               HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _program_head(cu_seqlens, T, H: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(i_nh, i_h, bos, eos): this program's sequence-and-key/value-head index, its head, and its
+    sequence's tokens [bos, eos)."""
     i_nh = tl.program_id(0).to(tl.int64)
     i_n = i_nh // H
     i_h = i_nh % H
     bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    return i_nh, i_h, bos, eos
+
+
+@triton.jit
+def _state_tile(state, i_nh, o_r, o_c, R: tl.constexpr, C: tl.constexpr):
+    """Pointers to program i_nh's [R, C] state (rows o_r, columns o_c) in `state` [N*H, R, C]."""
+    return state + i_nh * R * C + o_r[:, None] * C + o_c[None, :]
+
+
+@triton.jit
+def _start_state(h0, i_nh, o_r, o_c, m_r, m_c, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr, HAS: tl.constexpr):
+    """Program i_nh's [BR, BC] fp32 state to start from: its tile of h0 [N*H, R, C] if HAS, else zeros."""
+    b_h = tl.zeros([BR, BC], dtype=tl.float32)
+    if HAS:
+        b_h += tl.load(_state_tile(h0, i_nh, o_r, o_c, R, C), mask=m_r[:, None] & m_c[None, :],
+                       other=0.).to(tl.float32)
+    return b_h
+
+
+@triton.jit
+def _slot_state_step(b_h, k, s, g, t, i_h, o_k, o_m, m_k, m_m,
+                     H: tl.constexpr, K: tl.constexpr, M: tl.constexpr):
+    """Pass K's step: Hk_t = Hk_{t-1} diag(exp(g_t)) + k_t s_t^T, [BK, BM] in fp32."""
+    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
+    b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
+    return b_h * tl.exp(b_g)[None, :] + b_k[:, None] * b_s[None, :]
+
+
+@triton.jit
+def _value_state_step(b_h, s, g, v, t, i_h, o_m, o_v, m_m, m_v,
+                      H: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
+    """Pass V's step: Hv_t = diag(exp(g_t)) Hv_{t-1} + s_t v_t^T, [BM, BV] in fp32."""
+    b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
+    b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
+    b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+    return b_h * tl.exp(b_g)[:, None] + b_s[:, None] * b_v[None, :]
+
+
+@triton.jit
+def _fwd_slots(q, k, s, g, hk0, p, hkT, cu_seqlens, scale, T,
+               H: tl.constexpr, NG: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+               BK: tl.constexpr, BM: tl.constexpr,
+               HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_nh, i_h, bos, eos = _program_head(cu_seqlens, T, H, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_m = tl.arange(0, BM)
     m_k = o_k < K
     m_m = o_m < M
     m_km = m_k[:, None] & m_m[None, :]
-    b_h = tl.zeros([BK, BM], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(hk0 + i_nh * K * M + o_k[:, None] * M + o_m[None, :], mask=m_km, other=0.).to(tl.float32)
+    b_h = _start_state(hk0, i_nh, o_k, o_m, m_k, m_m, K, M, BK, BM, HAS_H0)
     for t in range(bos, eos):
-        b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_h = b_h * tl.exp(b_g)[None, :] + b_k[:, None] * b_s[None, :]
+        b_h = _slot_state_step(b_h, k, s, g, t, i_h, o_k, o_m, m_k, m_m, H, K, M)
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
             b_q = tl.load(q + (t * H * NG + i_hq) * K + o_k, mask=m_k, other=0.).to(tl.float32) * scale
@@ -75,7 +115,7 @@ def _fwd_slots(q, k, s, g, hk0, p, hkT, cu_seqlens, scale, T,
             b_p = b_e / tl.sum(b_e, 0)
             tl.store(p + (t * H * NG + i_hq) * M + o_m, b_p, mask=m_m)
     if STORE_HT:
-        tl.store(hkT + i_nh * K * M + o_k[:, None] * M + o_m[None, :], b_h, mask=m_km)
+        tl.store(_state_tile(hkT, i_nh, o_k, o_m, K, M), b_h, mask=m_km)
 
 
 @triton.jit
@@ -83,56 +123,39 @@ def _fwd_values(s, g, v, p, hv0, o, hvT, cu_seqlens, T,
                 H: tl.constexpr, NG: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
                 BM: tl.constexpr, BV: tl.constexpr,
                 HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
+    i_nh, i_h, bos, eos = _program_head(cu_seqlens, T, H, IS_VARLEN)
     i_v = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_m = tl.arange(0, BM)
     o_v = i_v * BV + tl.arange(0, BV)
     m_m = o_m < M
     m_v = o_v < V
     m_mv = m_m[:, None] & m_v[None, :]
-    b_h = tl.zeros([BM, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(hv0 + i_nh * M * V + o_m[:, None] * V + o_v[None, :], mask=m_mv, other=0.).to(tl.float32)
+    b_h = _start_state(hv0, i_nh, o_m, o_v, m_m, m_v, M, V, BM, BV, HAS_H0)
     for t in range(bos, eos):
-        b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
-        b_h = b_h * tl.exp(b_g)[:, None] + b_s[:, None] * b_v[None, :]
+        b_h = _value_state_step(b_h, s, g, v, t, i_h, o_m, o_v, m_m, m_v, H, M, V)
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
             b_p = tl.load(p + (t * H * NG + i_hq) * M + o_m, mask=m_m, other=0.)
             b_o = tl.sum(b_h * b_p[:, None], 0)
             tl.store(o + (t * H * NG + i_hq) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_HT:
-        tl.store(hvT + i_nh * M * V + o_m[:, None] * V + o_v[None, :], b_h, mask=m_mv)
+        tl.store(_state_tile(hvT, i_nh, o_m, o_v, M, V), b_h, mask=m_mv)
 
 
 @triton.jit
 def _bwd_dp(s, g, v, do, hv0, dp_part, cu_seqlens, T,
             H: tl.constexpr, NG: tl.constexpr, M: tl.constexpr, V: tl.constexpr, NV: tl.constexpr,
             BM: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
+    i_nh, i_h, bos, eos = _program_head(cu_seqlens, T, H, IS_VARLEN)
     i_v = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_m = tl.arange(0, BM)
     o_v = i_v * BV + tl.arange(0, BV)
     m_m = o_m < M
     m_v = o_v < V
-    m_mv = m_m[:, None] & m_v[None, :]
-    b_h = tl.zeros([BM, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(hv0 + i_nh * M * V + o_m[:, None] * V + o_v[None, :], mask=m_mv, other=0.).to(tl.float32)
+    b_h = _start_state(hv0, i_nh, o_m, o_v, m_m, m_v, M, V, BM, BV, HAS_H0)
     # dp_part: [B * T, NV, HQ, M] fp32, token-major (int64 offsets through t)
     for t in range(bos, eos):
-        b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
-        b_h = b_h * tl.exp(b_g)[:, None] + b_s[:, None] * b_v[None, :]
+        b_h = _value_state_step(b_h, s, g, v, t, i_h, o_m, o_v, m_m, m_v, H, M, V)
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
             b_do = tl.load(do + (t * H * NG + i_hq) * V + o_v, mask=m_v, other=0.).to(tl.float32)
@@ -144,23 +167,14 @@ def _bwd_dp(s, g, v, do, hv0, dp_part, cu_seqlens, T,
 def _bwd_dz(q, k, s, g, hk0, p, dp_part, dq, dz, qside, cu_seqlens, scale, T,
             H: tl.constexpr, NG: tl.constexpr, K: tl.constexpr, M: tl.constexpr, NV: tl.constexpr,
             BK: tl.constexpr, BM: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    i_nh, i_h, bos, eos = _program_head(cu_seqlens, T, H, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_m = tl.arange(0, BM)
     m_k = o_k < K
     m_m = o_m < M
-    m_km = m_k[:, None] & m_m[None, :]
-    b_h = tl.zeros([BK, BM], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(hk0 + i_nh * K * M + o_k[:, None] * M + o_m[None, :], mask=m_km, other=0.).to(tl.float32)
+    b_h = _start_state(hk0, i_nh, o_k, o_m, m_k, m_m, K, M, BK, BM, HAS_H0)
     for t in range(bos, eos):
-        b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_h = b_h * tl.exp(b_g)[None, :] + b_k[:, None] * b_s[None, :]
+        b_h = _slot_state_step(b_h, k, s, g, t, i_h, o_k, o_m, m_k, m_m, H, K, M)
         b_qside = tl.zeros([BM], dtype=tl.float32)
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
@@ -184,19 +198,14 @@ def _bwd_values(s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T,
                 H: tl.constexpr, NG: tl.constexpr, M: tl.constexpr, V: tl.constexpr, NV: tl.constexpr,
                 BM: tl.constexpr, BV: tl.constexpr,
                 HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
+    i_nh, i_h, bos, eos = _program_head(cu_seqlens, T, H, IS_VARLEN)
     i_v = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_m = tl.arange(0, BM)
     o_v = i_v * BV + tl.arange(0, BV)
     m_m = o_m < M
     m_v = o_v < V
     m_mv = m_m[:, None] & m_v[None, :]
-    b_dh = tl.zeros([BM, BV], dtype=tl.float32)
-    if HAS_DHT:
-        b_dh += tl.load(dhvT + i_nh * M * V + o_m[:, None] * V + o_v[None, :], mask=m_mv, other=0.).to(tl.float32)
+    b_dh = _start_state(dhvT, i_nh, o_m, o_v, m_m, m_v, M, V, BM, BV, HAS_DHT)
     for i_t in range(0, eos - bos):
         t = eos - 1 - i_t
         for i_g in tl.static_range(NG):
@@ -213,7 +222,7 @@ def _bwd_values(s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T,
         tl.store(dsv_part + ((t * NV + i_v) * H + i_h) * M + o_m, b_ds, mask=m_m)
         b_dh = b_dh * tl.exp(b_g)[:, None]
     if STORE_DH0:
-        tl.store(dhv0 + i_nh * M * V + o_m[:, None] * V + o_v[None, :], b_dh, mask=m_mv)
+        tl.store(_state_tile(dhv0, i_nh, o_m, o_v, M, V), b_dh, mask=m_mv)
 
 
 @triton.jit
@@ -221,10 +230,7 @@ def _bwd_slots(q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0,
                H: tl.constexpr, NG: tl.constexpr, K: tl.constexpr, M: tl.constexpr, NV: tl.constexpr,
                BK: tl.constexpr, BM: tl.constexpr,
                HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    i_nh, i_h, bos, eos = _program_head(cu_seqlens, T, H, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_m = tl.arange(0, BM)
     m_k = o_k < K
@@ -234,7 +240,7 @@ def _bwd_slots(q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0,
     # running reverse sum of the gate gradient, started from the final-state term
     b_acc = tl.zeros([BM], dtype=tl.float32)
     if HAS_DHT:
-        b_dh += tl.load(dhkT + i_nh * K * M + o_k[:, None] * M + o_m[None, :], mask=m_km, other=0.).to(tl.float32)
+        b_dh += tl.load(_state_tile(dhkT, i_nh, o_k, o_m, K, M), mask=m_km, other=0.).to(tl.float32)
         b_acc += tl.load(dg_last + i_nh * M + o_m, mask=m_m, other=0.)
     for i_t in range(0, eos - bos):
         t = eos - 1 - i_t
@@ -257,7 +263,7 @@ def _bwd_slots(q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0,
         tl.store(dg + off_m, b_acc.to(dg.dtype.element_ty), mask=m_m)
         b_dh = b_dh * tl.exp(b_g)[None, :]
     if STORE_DH0:
-        tl.store(dhk0 + i_nh * K * M + o_k[:, None] * M + o_m[None, :], b_dh, mask=m_km)
+        tl.store(_state_tile(dhk0, i_nh, o_k, o_m, K, M), b_dh, mask=m_km)
 
 
 def _block_v(V: int) -> int:

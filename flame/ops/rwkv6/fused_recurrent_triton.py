@@ -30,19 +30,26 @@ def _block_sizes(K: int, V: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _fused_recurrent_fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
-                                H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
+def _program_lanes(cu_seqlens, i_v, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """(i_n, i_h, bos, eos, ck, cv, m_k, m_v): this program's sequence and head (program_id 0 is
+    i_n * H + i_h), its sequence's tokens [bos, eos), the key lanes ck and the value lanes cv of
+    block i_v with their masks."""
     i_nh = tl.program_id(0).to(tl.int64)
-    i_v = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    m_k = ck < K
-    m_v = cv < V
+    return i_n, i_h, bos, eos, ck, cv, ck < K, cv < V
+
+
+@triton.jit
+def _fused_recurrent_fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
+                                H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    i_v = tl.program_id(1)
+    i_n, i_h, bos, eos, ck, cv, m_k, m_v = _program_lanes(cu_seqlens, i_v, H, K, V, BK, BV)
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = (i_n * H + i_h) * K * V + ck[:, None] * V + cv[None, :]
     uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
@@ -67,16 +74,8 @@ def _fused_recurrent_fwd_kernel(r, k, v, w, u, o, h0, ht, cu_seqlens, scale,
 def _bwd_dr_kernel(k, v, w, do, h0, dr_part, cu_seqlens, scale,
                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    NV: tl.constexpr, HAS_H0: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    m_k = ck < K
-    m_v = cv < V
+    i_n, i_h, bos, eos, ck, cv, m_k, m_v = _program_lanes(cu_seqlens, i_v, H, K, V, BK, BV)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + (i_n * H + i_h) * K * V + ck[:, None] * V + cv[None, :],
@@ -97,16 +96,8 @@ def _bwd_dr_kernel(k, v, w, do, h0, dr_part, cu_seqlens, scale,
 def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     NV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    m_k = ck < K
-    m_v = cv < V
+    i_n, i_h, bos, eos, ck, cv, m_k, m_v = _program_lanes(cu_seqlens, i_v, H, K, V, BK, BV)
     m_kv = m_k[:, None] & m_v[None, :]
     s_off = (i_n * H + i_h) * K * V + ck[:, None] * V + cv[None, :]
     uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
@@ -135,15 +126,7 @@ def _bwd_dkv_kernel(r, k, v, w, u, do, dht, dk_part, dv, dh0, cu_seqlens, scale,
 def _bwd_dw_kernel(r, k, v, u, do, dr_part, dk_part, g_final, dr, dk, dw, du_part, cu_seqlens, scale,
                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
                    NV: tl.constexpr, HAS_DHT: tl.constexpr):
-    i_nh = tl.program_id(0).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    ck = tl.arange(0, BK)
-    cv = tl.arange(0, BVF)
-    m_k = ck < K
-    m_v = cv < V
+    i_n, i_h, bos, eos, ck, cv, m_k, m_v = _program_lanes(cu_seqlens, 0, H, K, V, BK, BVF)
     uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
     g = tl.zeros([BK], dtype=tl.float32)
     if HAS_DHT:

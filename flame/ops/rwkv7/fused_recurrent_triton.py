@@ -24,23 +24,49 @@ CKPT = 16  # tokens between stored states in the forward; the backward replays o
 
 
 @triton.jit
-def _fused_recurrent_fwd_kernel(
-    r, w, k, v, a, b, o, h0, ht, hckpt, cu_seqlens, ckpt_offsets, scale,
-    H, K, V, BK: tl.constexpr, BV: tl.constexpr,
-    CK: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CKPT: tl.constexpr,
-):
+def _program(cu_seqlens, H, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """(i_nh, i_v, i_n, i_h, bos, seq_len, o_k, o_v, m_k, m_v): this program's sequence-and-head
+    index (program_id 0, i_n * H + i_h), its block i_v of value lanes, its sequence's first token
+    and length, and its key and value lanes with their masks."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    seq_len = eos - bos
-
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
+    return i_nh, i_v, i_n, i_h, bos, eos - bos, o_k, o_v, o_k < K, o_v < V
+
+
+@triton.jit
+def _token(w, k, a, b, v, t, i_h, o_k, o_v, m_k, m_v, H, K, V):
+    """Token t's row offsets in the [tokens, H, K] and [tokens, H, V] inputs, and its w, k, a, b, v
+    in fp32."""
+    row_k = (t * H + i_h) * K
+    row_v = (t * H + i_h) * V
+    w_t = tl.load(w + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
+    k_t = tl.load(k + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
+    a_t = tl.load(a + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_t = tl.load(b + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
+    v_t = tl.load(v + row_v + o_v, mask=m_v, other=0.0).to(tl.float32)
+    return row_k, row_v, w_t, k_t, a_t, b_t, v_t
+
+
+@triton.jit
+def _state_step(S, w_t, k_t, a_t, b_t, v_t):
+    """S_t = S_{t-1} diag(exp(w_t)) + b_t (a_t^T S_{t-1}) + k_t v_t^T, with S [K, V] in fp32."""
+    p_t = tl.sum(a_t[:, None] * S, 0)
+    return tl.exp(w_t)[:, None] * S + b_t[:, None] * p_t[None, :] + k_t[:, None] * v_t[None, :]
+
+
+@triton.jit
+def _fused_recurrent_fwd_kernel(
+    r, w, k, v, a, b, o, h0, ht, hckpt, cu_seqlens, ckpt_offsets, scale,
+    H, K, V, BK: tl.constexpr, BV: tl.constexpr,
+    CK: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CKPT: tl.constexpr,
+):
+    i_nh, i_v, i_n, i_h, bos, seq_len, o_k, o_v, m_k, m_v = _program(cu_seqlens, H, K, V, BK, BV)
     m_kv = m_k[:, None] & m_v[None, :]
     state_off = o_k[:, None] * V + o_v[None, :]
 
@@ -54,16 +80,9 @@ def _fused_recurrent_fwd_kernel(
             if t % CK == 0:
                 p_ck = hckpt + ((ck_base + t // CK) * H + i_h) * K * V
                 tl.store(p_ck + state_off, S, mask=m_kv)
-        row_k = ((bos + t) * H + i_h) * K
-        row_v = ((bos + t) * H + i_h) * V
+        row_k, row_v, w_t, k_t, a_t, b_t, v_t = _token(w, k, a, b, v, bos + t, i_h, o_k, o_v, m_k, m_v, H, K, V)
         r_t = tl.load(r + row_k + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-        w_t = tl.load(w + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
-        k_t = tl.load(k + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
-        a_t = tl.load(a + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_t = tl.load(b + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
-        v_t = tl.load(v + row_v + o_v, mask=m_v, other=0.0).to(tl.float32)
-        p_t = tl.sum(a_t[:, None] * S, 0)
-        S = tl.exp(w_t)[:, None] * S + b_t[:, None] * p_t[None, :] + k_t[:, None] * v_t[None, :]
+        S = _state_step(S, w_t, k_t, a_t, b_t, v_t)
         o_t = tl.sum(r_t[:, None] * S, 0)
         tl.store(o + row_v + o_v, o_t.to(o.dtype.element_ty), mask=m_v)
 
@@ -78,6 +97,8 @@ def _fused_recurrent_bwd_kernel(
     H, K, V, BK: tl.constexpr, BV: tl.constexpr,
     CK: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
 ):
+    # the program's indices and lanes as _program gives them, written out: through _program the
+    # backward takes two more registers on sm_90
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // H
@@ -111,15 +132,8 @@ def _fused_recurrent_bwd_kernel(
         # replay the segment, parking S_{t-1} of each step
         for t in range(t0, t1):
             tl.store(p_scratch + (t - t0) * BK * BV + tile_off, S)
-            row_k = ((bos + t) * H + i_h) * K
-            row_v = ((bos + t) * H + i_h) * V
-            w_t = tl.load(w + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
-            k_t = tl.load(k + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
-            a_t = tl.load(a + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_t = tl.load(b + row_k + o_k, mask=m_k, other=0.0).to(tl.float32)
-            v_t = tl.load(v + row_v + o_v, mask=m_v, other=0.0).to(tl.float32)
-            p_t = tl.sum(a_t[:, None] * S, 0)
-            S = tl.exp(w_t)[:, None] * S + b_t[:, None] * p_t[None, :] + k_t[:, None] * v_t[None, :]
+            _, _, w_t, k_t, a_t, b_t, v_t = _token(w, k, a, b, v, bos + t, i_h, o_k, o_v, m_k, m_v, H, K, V)
+            S = _state_step(S, w_t, k_t, a_t, b_t, v_t)
         tl.debug_barrier()
         for i_t in range(0, t1 - t0):
             t = t1 - 1 - i_t

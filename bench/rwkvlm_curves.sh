@@ -6,9 +6,12 @@
 #   init (job.seed 42 and 43); with LARGE=1 (the default for rwkv7) the 340M shape too (L24-D1024,
 #   ctx 2048, batch 8), 500 steps, both trainers, and the parity table at 340M; and, unless
 #   PARITY=0, the family's GPU parity tests (tests/bench/test_rwkvlm_parity.py -k FAMILY).
+# SPEED=1 runs only the speed pairs instead: flame and RWKV-LM at L12-D768 and at the 340M shape, each
+#   run alone on its GPU for SPEED_STEPS (default 100) updates, nothing else on the host, and the
+#   table of their median tokens/s (after step 10) in OUT_DIR/report.txt.
 # Needs the shards and the RWKV-LM checkout of docs/rwkv-lm.md, and RWKV-LM's extensions built
 # (python -m bench.rwkvlm build --config configs/${FAMILY}_rwkvlm_demo.toml).
-# Usage: [FAMILY=rwkv6] [LARGE=0|1] [PARITY=0|1] bash bench/rwkvlm_curves.sh OUT_DIR [SCRATCH_DIR]
+# Usage: [FAMILY=rwkv6] [LARGE=0|1] [PARITY=0|1] [SPEED=1] bash bench/rwkvlm_curves.sh OUT_DIR [SCRATCH_DIR]
 # Each run writes OUT_DIR/<run>/metrics.jsonl as it goes, and OUT_DIR/<run>.log; OUT_DIR/queues.log
 # says when each run ended; OUT_DIR/report.txt holds the table, OUT_DIR/curves*.png the plots; at
 # the end, or when the script is stopped (SIGTERM, e.g. by `timeout`), OUT_DIR.tar.gz holds the
@@ -18,7 +21,7 @@
 # needs one waits for its file. Each queue is one GPU: the two runs of a pair being timed (flame and
 # RWKV-LM at one shape) are on different GPUs, each alone on its own.
 set -u
-out=${1:?usage: [FAMILY=rwkv6] [LARGE=0|1] [PARITY=0|1] bash bench/rwkvlm_curves.sh OUT_DIR [SCRATCH_DIR]}
+out=${1:?usage: [FAMILY=rwkv6] [LARGE=0|1] [PARITY=0|1] [SPEED=1] bash bench/rwkvlm_curves.sh OUT_DIR [SCRATCH_DIR]}
 scratch=${2:-/dev/shm}
 family=${FAMILY:-rwkv7}
 if [ "$family" = rwkv7 ]; then large=${LARGE:-1}; else large=${LARGE:-0}; fi
@@ -56,6 +59,21 @@ trap 'log "stopped"; kill $(jobs -p) 2>/dev/null; pack; exit 143' TERM INT
 # The init files are the family's: RWKV7 and RWKV6 weights in one scratch folder never mix.
 s0=$scratch/${family}_init_s0.pth s1=$scratch/${family}_init_s1.pth s340=$scratch/${family}_init340.pth
 
+if [ "${SPEED:-0}" = 1 ]; then
+  steps=${SPEED_STEPS:-100}
+  log "start $family speed pairs, $steps updates each"
+  (export CUDA_VISIBLE_DEVICES=0; flame speed_flame --training.steps "$steps") &
+  (export CUDA_VISIBLE_DEVICES=1; init 0 "$s0"; rwkvlm speed_rwkvlm "$s0" --steps "$steps") &
+  (export CUDA_VISIBLE_DEVICES=2; flame speed_flame_340M $model340 --training.batch_size 8 --training.steps "$steps") &
+  (export CUDA_VISIBLE_DEVICES=3; init 0 "$s340" $shape340; rwkvlm speed_rwkvlm_340M "$s340" $shape340 --steps "$steps") &
+  wait
+  log "all runs ended"
+  python3 -m bench.rwkvlm report "$out"/speed_rwkvlm "$out"/speed_flame "$out"/speed_rwkvlm_340M "$out"/speed_flame_340M \
+    > "$out/report.txt" 2>&1
+  cat "$out/report.txt"
+  pack
+  exit 0
+fi
 log "start $family (340M shape: $large)"
 (export CUDA_VISIBLE_DEVICES=0
  flame flame_owninit_s42 --job.seed 42

@@ -467,7 +467,7 @@ def one_step_parity(cfg, init: str | Path, input_ids: torch.Tensor, labels: torc
     update is lr x sign(gradient) per element, so there the relative RMS of the parameters
     measures sign disagreements of near-zero gradients, not the size of the update)."""
     from flame.train.gradients import clip_grad_norm
-    from flame.train.loss import IGNORE_INDEX
+    from flame.ops.linear_cross_entropy import IGNORE_INDEX
     from flame.train.lr_schedule import build_lr_scheduler
     from flame.train.optimizer import build_optimizer
     from flame.weights.foreign import read_exported

@@ -25,6 +25,7 @@ from flame.config import Model
 from flame.config.job import TRAINING_MEMORY_FIELDS
 from flame.inference.decoder import decoder_for, prefill
 from flame.models import build_model
+from flame.ops.linear_cross_entropy import IGNORE_INDEX
 from flame.weights.foreign import HF_MODEL_TYPE as MODEL_TYPE
 
 MODELING_FILE = "modeling_flame.py"
@@ -32,7 +33,6 @@ AUTO_MAP = {
     "AutoConfig": "modeling_flame.FlameConfig",
     "AutoModelForCausalLM": "modeling_flame.FlameForCausalLM",
 }
-IGNORE_INDEX = -100
 CACHE_FIELD = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
                else "past_key_values")
 """The name transformers gives the cache in model outputs (CausalLMOutputWithPast) and generation

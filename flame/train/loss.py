@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from flame.ops.linear_cross_entropy import IGNORE_INDEX
 
 
 def count_valid_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> int:

@@ -59,10 +59,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 Rule = tuple[str, str, Callable, Callable]
 """(flame name, fla name, flame -> fla, fla -> flame), names relative to a layer."""
 
-NORMS = [(f"{n}.{p}", f"{n}.{p}", _same, _same)
+FLA_NORMS = [(f"{n}.{p}", f"{n}.{p}", _same, _same)
          for n in ("pre_norm", "attn_norm", "ffn_norm") for p in ("weight", "bias")]
 
-RWKV7_RULES: list[Rule] = NORMS + [
+RWKV7_RULES: list[Rule] = FLA_NORMS + [
     *[(f"attn.mu_{c}", f"attn.x_{c}", _as_row, _flat) for c in "rwkvag"],
     ("attn.receptance.weight", "attn.r_proj.weight", _same, _same),
     ("attn.key.weight", "attn.k_proj.weight", _same, _same),
@@ -85,7 +85,7 @@ RWKV7_RULES: list[Rule] = NORMS + [
     ("ffn.value.weight", "ffn.value.weight", _same, _same),
 ]
 
-RWKV6_RULES: list[Rule] = NORMS + [
+RWKV6_RULES: list[Rule] = FLA_NORMS + [
     ("attn.mu_x", "attn.x_proj.0.mu", _same, _same),
     ("attn.time_decay", "attn.w_proj.linear.lora.2.bias", _same, _same),
     ("attn.decay_w1", "attn.w_proj.linear.lora.0.weight", _transpose, _transpose),

@@ -64,7 +64,7 @@ RWKV6_LAYER: list[tuple[str, str, str]] = [
     ("ffn.mu_k", "ffn.time_maa_k", ROW), ("ffn.mu_r", "ffn.time_maa_r", ROW),
     *[(f"ffn.{p}.weight", f"ffn.{p}.weight", SAME) for p in ("key", "receptance", "value")],
 ]
-NORMS = [(f"{flame}.{p}", f"{rwkv}.{p}", SAME) for flame, rwkv in
+RWKV_NORMS = [(f"{flame}.{p}", f"{rwkv}.{p}", SAME) for flame, rwkv in
          (("pre_norm", "ln0"), ("attn_norm", "ln1"), ("ffn_norm", "ln2")) for p in ("weight", "bias")]
 LAYERS = {"rwkv6": RWKV6_LAYER, "rwkv7": RWKV7_LAYER}
 TOP = [("embeddings.weight", "emb.weight"), ("norm.weight", "ln_out.weight"), ("norm.bias", "ln_out.bias"),
@@ -95,7 +95,7 @@ def to_rwkv(state_dict: dict[str, torch.Tensor], family: str, tie_word_embedding
     if tie_word_embeddings or "head.weight" not in out:
         out["head.weight"] = state_dict["embeddings.weight"].clone()
     for i in range(num_layers(state_dict, "layers.")):
-        for flame_name, rwkv_name, layout in NORMS + LAYERS[family]:
+        for flame_name, rwkv_name, layout in RWKV_NORMS + LAYERS[family]:
             source = state_dict.get(f"layers.{i}.{flame_name}")
             if source is None:
                 continue
@@ -108,7 +108,7 @@ def to_rwkv(state_dict: dict[str, torch.Tensor], family: str, tie_word_embedding
             out["blocks.0.att.v1"] = like.new_zeros(C, rank)
             out["blocks.0.att.v2"] = like.new_zeros(rank, C)
     unknown = sorted(set(state_dict) - {f for f, _ in TOP} - {
-        f"layers.{i}.{f}" for i in range(num_layers(state_dict, "layers.")) for f, _, _ in NORMS + LAYERS[family]})
+        f"layers.{i}.{f}" for i in range(num_layers(state_dict, "layers.")) for f, _, _ in RWKV_NORMS + LAYERS[family]})
     if unknown:
         raise WeightsError(f"flame {family} weights hold a tensor with no RWKV-LM counterpart: {unknown[0]}")
     return out
@@ -128,7 +128,7 @@ def from_rwkv(state_dict: dict[str, torch.Tensor], family: str | None = None) ->
             out[flame_name] = state_dict[rwkv_name]
             used.add(rwkv_name)
     for i in range(num_layers(state_dict, "blocks.")):
-        for flame_name, rwkv_name, layout in NORMS + LAYERS[found]:
+        for flame_name, rwkv_name, layout in RWKV_NORMS + LAYERS[found]:
             key = f"blocks.{i}.{rwkv_name}"
             if found == "rwkv7" and i == 0 and rwkv_name in UNUSED_LAYER0:
                 used.add(key)

@@ -7,6 +7,8 @@ import torch
 from ..utils.dtypes import accumulation_dtype
 
 IGNORE_INDEX = -100
+"""The label of a position that has none (padding, a document's last token): it counts for nothing.
+The value is PyTorch's and transformers' default `ignore_index`."""
 L2WRAP_FACTOR = 1e-4
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from ..utils.sequences import per_sequence, sequence_count
 
-def _gsa_steps(q, k, v, s, g, scale, hk, hv):
+
+def _gsa_steps(q, k, v, s, g, hk, hv, *, scale):
     """q [N,T,HQ,K], k [N,T,H,K], v [N,T,H,V], s, g [N,T,H,M], hk [N,H,K,M], hv [N,H,M,V]."""
     N, T, HQ, K = q.shape
     H = k.shape[2]
@@ -42,31 +44,14 @@ def naive_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=F
     N = len(cu_seqlens) - 1 when cu_seqlens packs N sequences into B == 1.
     Returns (o [B,T,HQ,V], (hk, hv) or None), in the dtype of q.
     """
-    B, T, HQ, K = q.shape
+    B, _, _, K = q.shape
     H, M, V = k.shape[2], s.shape[-1], v.shape[-1]
     dtype = q.dtype
     k, v, s, g = (x.to(dtype) for x in (k, v, s, g))
-    if cu_seqlens is None:
-        bounds, packed, N = [(0, T)], False, B
-    else:
-        offsets = cu_seqlens.tolist()
-        bounds, packed = list(zip(offsets[:-1], offsets[1:])), True
-        N = len(bounds)
     if initial_state is None:
+        N = sequence_count(B, cu_seqlens)
         hk0, hv0 = q.new_zeros(N, H, K, M), q.new_zeros(N, H, M, V)
     else:
         hk0, hv0 = (h.to(dtype) for h in initial_state)
-
-    if not packed:
-        o, hk, hv = _gsa_steps(q, k, v, s, g, scale, hk0, hv0)
-    else:
-        outs, hks, hvs = [], [], []
-        for n, (bos, eos) in enumerate(bounds):
-            seq = slice(bos, eos)
-            o_n, hk_n, hv_n = _gsa_steps(q[:, seq], k[:, seq], v[:, seq], s[:, seq], g[:, seq], scale,
-                                         hk0[n:n + 1], hv0[n:n + 1])
-            outs.append(o_n)
-            hks.append(hk_n)
-            hvs.append(hv_n)
-        o, hk, hv = torch.cat(outs, dim=1), torch.cat(hks, dim=0), torch.cat(hvs, dim=0)
+    o, hk, hv = per_sequence(_gsa_steps, (q, k, v, s, g), (hk0, hv0), cu_seqlens, scale=scale)
     return o, ((hk, hv) if output_final_state else None)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..utils.sequences import per_sequence, sequence_count
 
-def _rwkv6_steps(r, k, v, w, u, scale, state):
+
+def _rwkv6_steps(r, k, v, w, state, *, u, scale):
     """r, k, w [N,T,H,K], v [N,T,H,V], u [H,K], state [N,H,K,V] -> o [N,T,H,V], final state."""
     outputs = []
     for t in range(r.shape[1]):
@@ -34,28 +36,10 @@ def naive_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state
     N = B, or N = len(cu_seqlens) - 1 when cu_seqlens packs N sequences into B == 1.
     Returns (o [B,T,H,V], final state [N,H,K,V] or None), both in the dtype of r.
     """
-    B, T, H, K = r.shape
+    B, _, H, K = r.shape
     dtype = r.dtype
     k, v, w, u = k.to(dtype), v.to(dtype), w.to(dtype), u.to(dtype)
-    if cu_seqlens is None:
-        bounds, packed = [(0, T)], False
-        N = B
-    else:
-        offsets = cu_seqlens.tolist()
-        bounds, packed = list(zip(offsets[:-1], offsets[1:])), True
-        N = len(bounds)
     if initial_state is None:
-        initial_state = r.new_zeros(N, H, K, v.shape[-1])
-    initial_state = initial_state.to(dtype)
-
-    if not packed:
-        o, final = _rwkv6_steps(r, k, v, w, u, scale, initial_state)
-    else:
-        outs, finals = [], []
-        for n, (bos, eos) in enumerate(bounds):
-            seq = slice(bos, eos)
-            o_n, h_n = _rwkv6_steps(r[:, seq], k[:, seq], v[:, seq], w[:, seq], u, scale, initial_state[n:n + 1])
-            outs.append(o_n)
-            finals.append(h_n)
-        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+        initial_state = r.new_zeros(sequence_count(B, cu_seqlens), H, K, v.shape[-1])
+    o, final = per_sequence(_rwkv6_steps, (r, k, v, w), (initial_state.to(dtype),), cu_seqlens, u=u, scale=scale)
     return o, (final if output_final_state else None)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from ..utils.sequences import per_sequence, sequence_count
 
-def _rwkv7_steps(r, w, k, v, a, b, scale, state):
+
+def _rwkv7_steps(r, w, k, v, a, b, state, *, scale):
     """r, w, k, a, b [N,T,H,K], v [N,T,H,V], state [N,H,K,V] -> o [N,T,H,V], final state."""
     outputs = []
     for t in range(r.shape[1]):
@@ -39,28 +41,10 @@ def naive_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     gate_lower_bound is accepted for signature parity and unused (the recurrence needs no bound).
     Returns (o [B,T,H,V], final state [N,H,K,V] or None), both in the dtype of r.
     """
-    B, T, H, K = r.shape
+    B, _, H, K = r.shape
     dtype = r.dtype
     w, k, v, a, b = (x.to(dtype) for x in (w, k, v, a, b))
-    if cu_seqlens is None:
-        bounds, packed, N = [(0, T)], False, B
-    else:
-        offsets = cu_seqlens.tolist()
-        bounds, packed = list(zip(offsets[:-1], offsets[1:])), True
-        N = len(bounds)
     if initial_state is None:
-        initial_state = r.new_zeros(N, H, K, v.shape[-1])
-    initial_state = initial_state.to(dtype)
-
-    if not packed:
-        o, final = _rwkv7_steps(r, w, k, v, a, b, scale, initial_state)
-    else:
-        outs, finals = [], []
-        for n, (bos, eos) in enumerate(bounds):
-            seq = slice(bos, eos)
-            o_n, h_n = _rwkv7_steps(r[:, seq], w[:, seq], k[:, seq], v[:, seq], a[:, seq], b[:, seq], scale,
-                                    initial_state[n:n + 1])
-            outs.append(o_n)
-            finals.append(h_n)
-        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+        initial_state = r.new_zeros(sequence_count(B, cu_seqlens), H, K, v.shape[-1])
+    o, final = per_sequence(_rwkv7_steps, (r, w, k, v, a, b), (initial_state.to(dtype),), cu_seqlens, scale=scale)
     return o, (final if output_final_state else None)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from ..utils.sequences import per_sequence, sequence_count
+from ..common.chunk_torch import per_sequence
 
 
-def _gsa_steps(q, k, v, s, g, hk, hv, *, scale):
+def _gsa_steps(q, k, v, s, g, scale, hk, hv):
     """q [N,T,HQ,K], k [N,T,H,K], v [N,T,H,V], s, g [N,T,H,M], hk [N,H,K,M], hv [N,H,M,V]."""
     N, T, HQ, K = q.shape
     H = k.shape[2]
@@ -49,9 +49,14 @@ def naive_gsa(q, k, v, s, g, scale=1.0, initial_state=None, output_final_state=F
     dtype = q.dtype
     k, v, s, g = (x.to(dtype) for x in (k, v, s, g))
     if initial_state is None:
-        N = sequence_count(B, cu_seqlens)
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         hk0, hv0 = q.new_zeros(N, H, K, M), q.new_zeros(N, H, M, V)
     else:
         hk0, hv0 = (h.to(dtype) for h in initial_state)
-    o, hk, hv = per_sequence(_gsa_steps, (q, k, v, s, g), (hk0, hv0), cu_seqlens, scale=scale)
-    return o, ((hk, hv) if output_final_state else None)
+
+    def steps(q, k, v, s, g, state):
+        o, hk, hv = _gsa_steps(q, k, v, s, g, scale, *state)
+        return o, (hk, hv)
+
+    o, final = per_sequence(steps, (q, k, v, s, g), (hk0, hv0), cu_seqlens)
+    return o, (final if output_final_state else None)

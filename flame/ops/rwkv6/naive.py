@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..utils.sequences import per_sequence, sequence_count
+from ..common.chunk_torch import per_sequence
 
 
-def _rwkv6_steps(r, k, v, w, state, *, u, scale):
+def _rwkv6_steps(r, k, v, w, u, scale, state):
     """r, k, w [N,T,H,K], v [N,T,H,V], u [H,K], state [N,H,K,V] -> o [N,T,H,V], final state."""
     outputs = []
     for t in range(r.shape[1]):
@@ -40,6 +40,11 @@ def naive_rwkv6(r, k, v, w, u, scale=1.0, initial_state=None, output_final_state
     dtype = r.dtype
     k, v, w, u = k.to(dtype), v.to(dtype), w.to(dtype), u.to(dtype)
     if initial_state is None:
-        initial_state = r.new_zeros(sequence_count(B, cu_seqlens), H, K, v.shape[-1])
-    o, final = per_sequence(_rwkv6_steps, (r, k, v, w), (initial_state.to(dtype),), cu_seqlens, u=u, scale=scale)
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        initial_state = r.new_zeros(N, H, K, v.shape[-1])
+
+    def steps(r, k, v, w, state):
+        return _rwkv6_steps(r, k, v, w, u, scale, state)
+
+    o, final = per_sequence(steps, (r, k, v, w), initial_state.to(dtype), cu_seqlens)
     return o, (final if output_final_state else None)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ..utils.sequences import per_sequence, sequence_count
+from ..common.chunk_torch import per_sequence
 
 
-def _rwkv7_steps(r, w, k, v, a, b, state, *, scale):
+def _rwkv7_steps(r, w, k, v, a, b, scale, state):
     """r, w, k, a, b [N,T,H,K], v [N,T,H,V], state [N,H,K,V] -> o [N,T,H,V], final state."""
     outputs = []
     for t in range(r.shape[1]):
@@ -45,6 +45,11 @@ def naive_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     dtype = r.dtype
     w, k, v, a, b = (x.to(dtype) for x in (w, k, v, a, b))
     if initial_state is None:
-        initial_state = r.new_zeros(sequence_count(B, cu_seqlens), H, K, v.shape[-1])
-    o, final = per_sequence(_rwkv7_steps, (r, w, k, v, a, b), (initial_state.to(dtype),), cu_seqlens, scale=scale)
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        initial_state = r.new_zeros(N, H, K, v.shape[-1])
+
+    def steps(r, w, k, v, a, b, state):
+        return _rwkv7_steps(r, w, k, v, a, b, scale, state)
+
+    o, final = per_sequence(steps, (r, w, k, v, a, b), initial_state.to(dtype), cu_seqlens)
     return o, (final if output_final_state else None)

@@ -33,24 +33,18 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
-def _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+def _program_head(cu_seqlens, T, H: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(i_nh, i_h, bos, eos): this program's sequence-and-key/value-head index, its head, and its
+    sequence's tokens [bos, eos) (from cu_seqlens when packed)."""
+    i_nh = tl.program_id(0).to(tl.int64)
+    i_n = i_nh // H
+    i_h = i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     else:
         bos = i_n.to(tl.int64) * T
         eos = bos + T
-    return bos, eos
-
-
-@triton.jit
-def _program_head(cu_seqlens, T, H: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(i_nh, i_h, bos, eos): this program's sequence-and-key/value-head index, its head, and its
-    sequence's tokens [bos, eos)."""
-    i_nh = tl.program_id(0).to(tl.int64)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     return i_nh, i_h, bos, eos
 
 

@@ -582,9 +582,29 @@ def parity_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def train(cfg, init: str, out: Path, steps: int, *, kernel: str, jit: bool, log=print) -> list[dict]:
+# RWKV-LM's own CUDA kernels by kind (the __global__ functions of its cuda/ folders): the
+# attention (x070's wkv kernels, x060's wkv6) and the loss; its fused glue and everything else
+# count as "other"
+RWKVLM_ATTENTION_KERNELS = {"forward_kernel", "forward_kernel_preload", "backward_kernel",
+                            "backward_kernel_preload", "backward_kernel_preload_split64", "kernel_forward",
+                            *(f"kernel_backward_{n}" for n in (101, 102, 103, 111, 201, 222))}
+RWKVLM_LOSS_KERNELS = {"l2wrap_ce_forward_v2_kernel", "l2wrap_ce_backward_v2_kernel", "row_chunk_loss_and_grad_kernel",
+                       "reduce_loss_kernel"}
+
+
+def train(cfg, init: str, out: Path, steps: int, *, kernel: str, jit: bool, profile_steps: int = 0,
+          log=print) -> list[dict]:
     """RWKV-LM's trainer for `steps` updates on the batches of flame's loader for `cfg`; writes
-    `out/metrics.jsonl` with flame's keys (step, loss, lr, grad_norm, tokens, tokens_per_s)."""
+    `out/metrics.jsonl` with flame's keys (step, loss, lr, grad_norm, tokens, tokens_per_s). With
+    `profile_steps`, the last that many updates run under torch.profiler and `out/kernels.json`
+    gets their GPU ms per step by kind and by kernel (bench.timing.kernel_times), as
+    bench.train_step reports flame's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.timing import kernel_times
+
+    if not 0 <= profile_steps < steps:
+        raise SystemExit(f"bench.rwkvlm train: --profile-steps {profile_steps} must be below --steps {steps}")
     from flame.data import build_job_dataloader, load_tokenizer
 
     if cfg.training.gradient_accumulation_steps != 1:
@@ -599,8 +619,11 @@ def train(cfg, init: str, out: Path, steps: int, *, kernel: str, jit: bool, log=
     batches = iter(loader)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     with (out / "metrics.jsonl").open("w") as f:
         for step in range(steps):
+            if profile_steps and step == steps - profile_steps:
+                profiler.start()
             batch = next(batches)
             start.record()
             result = trainer.step(step, batch["input_ids"], batch["labels"])
@@ -618,6 +641,11 @@ def train(cfg, init: str, out: Path, steps: int, *, kernel: str, jit: bool, log=
                 f.flush()
                 log(f"rwkvlm step {step + 1}: loss {loss:.4f} lr {result['lr']:.2e} "
                     f"gnorm {row['grad_norm']:.3f} tok/s {row['tokens_per_s']:,.0f}")
+    if profile_steps:
+        torch.cuda.synchronize()
+        profiler.stop()
+        kernels = kernel_times(profiler, profile_steps, RWKVLM_ATTENTION_KERNELS, RWKVLM_LOSS_KERNELS)
+        (out / "kernels.json").write_text(json.dumps({"profile_steps": profile_steps, **kernels}, indent=1))
     return rows
 
 
@@ -716,6 +744,8 @@ def main(argv: list[str] | None = None) -> None:
     p_train.add_argument("--steps", type=int, default=0, help="updates (default: training.steps)")
     p_train.add_argument("--kernel", default="@rwkv3", help='RWKV-LM\'s --kernel ("" = rwkv7_clampw)')
     p_train.add_argument("--no-jit", action="store_true", help="RWKV_JIT_ON=0")
+    p_train.add_argument("--profile-steps", type=int, default=0,
+                         help="profile the last N updates: GPU ms per kernel in OUT/kernels.json")
     p_parity = sub.add_parser("parity", help="one step of both trainers from the same weights and batch")
     p_parity.add_argument("--config", required=True)
     p_parity.add_argument("--seed", type=int, default=0, help="RWKV-LM init seed")
@@ -740,7 +770,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = job_config(args.config, args.set)
             t0 = time.time()
             rows = train(cfg, args.init, Path(args.out), args.steps or cfg.training.steps,
-                         kernel=args.kernel, jit=not args.no_jit)
+                         kernel=args.kernel, jit=not args.no_jit, profile_steps=args.profile_steps)
             print(f"RWKV-LM: {len(rows)} steps in {time.time() - t0:.0f} s, mean loss of the last "
                   f"10% {tail_mean(rows):.4f}, median {median_speed(rows):,.0f} tokens/s")
         elif args.command == "build":

@@ -130,10 +130,17 @@ def triton_kernel_names(prefixes: tuple[str, ...]) -> set[str]:
     return names
 
 
+def kernel_base_name(name: str) -> str:
+    """A kernel's name without its arguments, template parameters and return type
+    ("void forward_kernel<64>(int, ...)" -> "forward_kernel")."""
+    base = name.split("(")[0].split("<")[0].strip()
+    return base.split(" ")[-1]
+
+
 def kernel_kind(name: str, attention: set[str], loss: set[str]) -> str:
     """One of KINDS for a kernel name: the loss and attention kernels by name, cuBLAS/CUTLASS
     matmuls and the optimizer's multi-tensor kernels by marks in their names, else "other"."""
-    base = name.split("(")[0]
+    base = kernel_base_name(name)
     if base in loss:
         return "loss"
     if base in attention:
@@ -164,3 +171,24 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
             total += stop - end
             end = stop
     return total
+
+
+def kernel_times(prof, steps: int, attention: set[str], loss: set[str], floor_ms: float = 0.05) -> dict:
+    """A torch.profiler trace of `steps` training steps as GPU ms per step: by kind (KINDS), the
+    time the GPU was busy (the union of kernel intervals), and every kernel of at least `floor_ms`
+    by name (its first 120 characters), largest first."""
+    import torch
+
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    by_kernel: dict[str, float] = {}
+    intervals = []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or is_annotation(event):
+            continue
+        ms = (event.time_range.end - event.time_range.start) / 1e3 / steps
+        by_kind[kernel_kind(event.name, attention, loss)] += ms
+        by_kernel[event.name[:120]] = by_kernel.get(event.name[:120], 0.0) + ms
+        intervals.append((event.time_range.start, event.time_range.end))
+    top = [kv for kv in sorted(by_kernel.items(), key=lambda kv: -kv[1]) if kv[1] >= floor_ms]
+    return {"gpu_ms_per_step": by_kind, "gpu_busy_ms_per_step": busy_ms(intervals) / 1e3 / steps,
+            "top_kernels_ms_per_step": top}

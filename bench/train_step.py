@@ -4,6 +4,7 @@
     python -m bench.train_step --families rwkv7 --libs flame    # one family, one library
     python -m bench.train_step --size 1B --libs flame           # the 1B configs
     python -m bench.train_step --families gsa -- --training.compile false   # trainer overrides after --
+    python -m bench.train_step --families rwkv7 --libs flame --config configs/rwkv7_rwkvlm_demo.toml  # another config
 
 What it measures (one CUDA GPU, as `python -m flame.train` runs there: fp32 weights under bf16
 autocast, no FSDP): each family's `configs/<family>_340M.toml` (or `--size 1B`; 32768 tokens per step, vocab 32000)
@@ -43,8 +44,7 @@ import time
 from pathlib import Path
 
 from bench.fla_models import fla_model_factory
-from bench.timing import (FLA_MISSING, KINDS, busy_ms, fla_available, is_annotation, kernel_kind, require_cuda,
-                          triton_kernel_names)
+from bench.timing import FLA_MISSING, KINDS, fla_available, kernel_times, require_cuda, triton_kernel_names
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,10 +55,12 @@ LIBS = ("flame", "fla")
 SIZES = ("340M", "1B")
 
 
-def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides: list[str]) -> list[str]:
-    """The command line of `python -m flame.train` that the benchmark steps through."""
+def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides: list[str],
+                 config: str | None = None) -> list[str]:
+    """The command line of `python -m flame.train` that the benchmark steps through: `config`, or
+    else the shipped configs/<family>_<size>.toml."""
     return [
-        "--config", str(REPO / "configs" / f"{family}_{size}.toml"),
+        "--config", config or str(REPO / "configs" / f"{family}_{size}.toml"),
         "--data.dataset", "embedded", "--data.tokenizer", "", "--data.streaming", "false",
         "--data.num_workers", "0", "--model.vocab_size", "32000",
         "--training.steps", str(steps), "--checkpoint.enable", "false",
@@ -105,7 +107,7 @@ def host_syncs_of(step) -> list[str]:
 
 
 def run_child(family: str, size: str, lib: str, steps: int, warmup: int, profile_steps: int,
-              overrides: list[str], host_top: int = 0, trace: str | None = None) -> dict:
+              overrides: list[str], host_top: int = 0, trace: str | None = None, config: str | None = None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -124,7 +126,9 @@ def run_child(family: str, size: str, lib: str, steps: int, warmup: int, profile
         # mutated"); it keeps every activation, as fla's own trainer does by default
         overrides = [*overrides, "--training.compile", "false", "--training.activation_checkpoint", "none"]
     with tempfile.TemporaryDirectory() as dump:
-        cfg = load_config(trainer_args(family, size, total, dump, overrides))
+        cfg = load_config(trainer_args(family, size, total, dump, overrides, config))
+        if cfg.model.family != family:
+            raise SystemExit(f"bench.train_step: {config} is a {cfg.model.family} config, not {family}")
         factory = fla_model_factory(family) if lib == "fla" else None
         trainer = Trainer(cfg, model_factory=factory)
         torch.cuda.reset_peak_memory_stats()
@@ -181,21 +185,8 @@ def run_child(family: str, size: str, lib: str, steps: int, warmup: int, profile
         attention = triton_kernel_names(("flame.ops.rwkv", "flame.ops.gsa", "flame.ops.common",
                                          "fla.ops"))
         loss = triton_kernel_names(("flame.ops.linear_cross_entropy",))
-        by_kind = dict.fromkeys(KINDS, 0.0)
-        by_kernel: dict[str, float] = {}
-        intervals = []
-        for event in prof.events():
-            if event.device_type != torch.autograd.DeviceType.CUDA or is_annotation(event):
-                continue
-            us = event.time_range.end - event.time_range.start
-            ms = us / 1e3 / profile_steps
-            by_kind[kernel_kind(event.name, attention, loss)] += ms
-            by_kernel[event.name[:120]] = by_kernel.get(event.name[:120], 0.0) + ms
-            intervals.append((event.time_range.start, event.time_range.end))
-        gpu_busy = busy_ms(intervals) / 1e3 / profile_steps
+        kernels = kernel_times(prof, profile_steps, attention, loss)
         step_ms = statistics.median(timed) * 1e3
-        # every kernel above 0.05 ms per step, so that the glue's kernels can be told apart
-        top = [kv for kv in sorted(by_kernel.items(), key=lambda kv: -kv[1]) if kv[1] >= 0.05]
         return {
             "family": family, "size": size, "lib": lib, "compile": cfg.training.compile,
             "compiled_graphs": graphs, "recompile_limit_hits": recompile_limit_hits,
@@ -204,13 +195,11 @@ def run_child(family: str, size: str, lib: str, steps: int, warmup: int, profile
             "tokens_per_s_all": [tokens_per_step / t for t in timed],
             "first_step_s": first_step_s,
             "peak_gib": peak,
-            "gpu_ms_per_step": by_kind,
-            "gpu_busy_ms_per_step": gpu_busy,
+            **kernels,
             "wall_ms_per_step": step_ms,
             "wall_ms_per_profiled_step": wall * 1e3 / profile_steps,
-            "host_bound_ms_per_step": max(step_ms - gpu_busy, 0.0),
+            "host_bound_ms_per_step": max(step_ms - kernels["gpu_busy_ms_per_step"], 0.0),
             "host_profile": host_profile,
-            "top_kernels_ms_per_step": top,
             "losses": losses,
         }
 
@@ -228,6 +217,8 @@ def main() -> int:
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--size", default="340M", choices=SIZES, help="which shipped configs: configs/<family>_<size>.toml")
+    parser.add_argument("--config", help="this config instead of the shipped configs/<family>_<size>.toml "
+                                         "(one family: its model.family)")
     parser.add_argument("--libs", default=",".join(LIBS))
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, autotune)")
@@ -246,7 +237,7 @@ def main() -> int:
     if args.child:
         family, lib, out = args.child.split(":", 2)
         result = run_child(family, args.size, lib, args.steps, args.warmup, args.profile_steps, overrides,
-                           args.host_profile, args.trace)
+                           args.host_profile, args.trace, args.config)
         Path(out).write_text(json.dumps(result))
         return 0
 
@@ -262,6 +253,7 @@ def main() -> int:
                    "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
                    "--host-profile", str(args.host_profile), *(["--trace", args.trace] if args.trace else []),
+                   *(["--config", args.config] if args.config else []),
                    "--", *overrides]
             print(f"=== {family} / {lib}: {' '.join(cmd[3:])}", flush=True)
             start = time.monotonic()

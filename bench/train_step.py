@@ -59,16 +59,17 @@ def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides
                  config: str | None = None) -> list[str]:
     """The command line of `python -m flame.train` that the benchmark steps through: `config`, or
     else the shipped configs/<family>_<size>.toml."""
-    return [
-        "--config", config or str(REPO / "configs" / f"{family}_{size}.toml"),
-        "--data.dataset", "embedded", "--data.tokenizer", "", "--data.streaming", "false",
-        "--data.num_workers", "0", "--model.vocab_size", "32000",
-        "--training.steps", str(steps), "--checkpoint.enable", "false",
-        "--metrics.val_freq", "0", "--metrics.log_freq", str(steps), "--metrics.enable_wandb", "false",
-        "--job.dump_folder", dump_folder,
-        "--training.compile_cache_dir", "none",  # the node's cache, which every run's new dump folder shares
-        *overrides,
-    ]
+    settings = {
+        "--data.dataset": "embedded", "--data.tokenizer": "", "--data.streaming": "false",
+        "--data.num_workers": "0", "--model.vocab_size": "32000",
+        "--training.steps": str(steps), "--checkpoint.enable": "false",
+        "--metrics.val_freq": "0", "--metrics.log_freq": str(steps), "--metrics.enable_wandb": "false",
+        "--job.dump_folder": dump_folder,
+        "--training.compile_cache_dir": "none",  # the node's cache, which every run's new dump folder shares
+    }
+    # an override replaces the benchmark's own setting of its key (the trainer takes each key once)
+    mine = [arg for key, value in settings.items() if key not in overrides for arg in (key, value)]
+    return ["--config", config or str(REPO / "configs" / f"{family}_{size}.toml"), *mine, *overrides]
 
 
 # ---- one (family, library) run, in a child process ---------------------------------------------

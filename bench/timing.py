@@ -131,10 +131,10 @@ def triton_kernel_names(prefixes: tuple[str, ...]) -> set[str]:
 
 
 def kernel_base_name(name: str) -> str:
-    """A kernel's name without its arguments, template parameters and return type
-    ("void forward_kernel<64>(int, ...)" -> "forward_kernel")."""
-    base = name.split("(")[0].split("<")[0].strip()
-    return base.split(" ")[-1]
+    """A kernel's name without its arguments, template parameters, namespaces and return type
+    ("void (anonymous namespace)::forward_kernel<64>(int, ...)" -> "forward_kernel")."""
+    base = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0].strip()
+    return base.split(" ")[-1].split("::")[-1]
 
 
 def kernel_kind(name: str, attention: set[str], loss: set[str]) -> str:

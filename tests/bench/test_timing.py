@@ -14,6 +14,10 @@ def test_kernel_base_name_drops_return_type_namespace_templates_and_arguments():
     assert kernel_base_name("void forward_kernel<64>(int, float const*)") == "forward_kernel"
     assert kernel_base_name("_bwd_maps_kernel") == "_bwd_maps_kernel"
     assert kernel_base_name("tmix_mix6_forward_kernel(__nv_bfloat16*, int)") == "tmix_mix6_forward_kernel"
+    assert kernel_base_name("void (anonymous namespace)::l2wrap_ce_forward_v2_kernel<c10::BFloat16, 512>"
+                            "(c10::BFloat16 const*, long const*)") == "l2wrap_ce_forward_v2_kernel"
+    assert kernel_base_name("(anonymous namespace)::relu_sq_inplace_vec2_kernel(c10::BFloat16*, long)") == \
+        "relu_sq_inplace_vec2_kernel"
 
 
 def test_kernel_kind_by_name_and_by_mark():

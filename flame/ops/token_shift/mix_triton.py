@@ -11,16 +11,17 @@ Backward, with out_i[t] = x[t] (1 - c_i[t]) + x[t-1] c_i[t] and c_i = mu_i + m_i
               t+1 continues t's sequence)
     dm_i[t] = d_i[t] delta[t]
     dmu_i   = sum_t d_i[t] delta[t]
-A program walks TILES row blocks [BR, BC] of one channel block. Per block it sums d_i c_i over the
-branches once, moves that sum up by one row in registers (`tl.gather`) and takes the block's last
-row from the row after the block, loaded on its own; d_i delta accumulates in [BR, BC] registers
-and is reduced over rows once per program (a reduction per block costs a barrier each), and the
-per-program sums are added up afterwards (fp32, in a fixed order: deterministic). All arithmetic
-is fp32 (fp64 for fp64 inputs); outputs round once.
+A program walks ROWS rows of one channel block, one row at a time, with the row before in
+registers: row r's x gives delta[r] against the x carried from row r - 1, its sums of d_i and of
+d_i c_i give dx[r - 1] (held back one row until then), and d_i delta accumulates per channel in
+registers. The program's last row takes the sum of d_i c_i of the row after its rows, loaded on its
+own. The per-program dmu sums are added up afterwards (fp32, in a fixed order: deterministic). All
+arithmetic is fp32 (fp64 for fp64 inputs); outputs round once.
 
-Launch shapes: the forward's tile is memory-bound at every shape tried; the backward's (64 channels
-x 16 rows x 8 blocks on 2 warps) is the fastest overall of the shapes tried (bench/RESULTS.md, whole
-training step, token-shift lerps).
+Launch shapes: the forward's tile is memory-bound at every shape tried. The backward's
+(`bwd_launch`) come from eleven shapes timed on an H100 at the 340M layer size (bench/RESULTS.md,
+"token-shift lerps"): the fastest for three or more branches; for one or two, one within 4% of the
+fastest that keeps 256 channels per program. A row walk holds [BC] vectors only: no shape spills.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from ..utils.dtypes import accumulation_dtype
 
 MAX_BRANCHES = 6
 BLOCK_CHANNELS, BLOCK_ROWS, WARPS = 128, 32, 4  # forward
-BLOCK_CHANNELS_BWD, BLOCK_ROWS_BWD, WARPS_BWD, TILES_BWD = 64, 16, 2, 8  # backward: the fastest shape tried
+# backward (channels, rows, warps) per program: for up to two branches, and for more
+BWD_LAUNCH_FEW, BWD_LAUNCH_MANY = (256, 16, 2), (256, 64, 4)
 
 
 @triton.jit
@@ -92,90 +94,111 @@ def _mix_fwd_kernel(x, starts, mu, m, o0, o1, o2, o3, o4, o5, T, C, N_ROWS, stri
 
 
 @triton.jit
-def _bwd_branch(d, mu, m, dm, stride_m, offs, mask, offs_after, mask_after, cols, m_col, C, delta, acc,
+def _row_coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I: tl.constexpr, N: tl.constexpr,
+                     N_M: tl.constexpr, ACC: tl.constexpr):
+    """c_I of one row (a [BC] vector): mu_I (+ m_J for the last N_M branches)."""
+    coef = tl.load(mu + I * C + cols, mask=m_col, other=0).to(ACC)
+    if I >= N - N_M:
+        coef = coef + tl.load(m + (I - (N - N_M)) * stride_m + offs, mask=mask, other=0).to(ACC)
+    return coef
+
+
+@triton.jit
+def _bwd_branch(d, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc,
                 I: tl.constexpr, N: tl.constexpr, N_M: tl.constexpr, ACC: tl.constexpr):
-    """Branch I on one row block: stores dm_I; returns (d, d c, d c of the row after the block,
-    acc + d delta)."""
+    """Branch I on one row: stores dm_I; returns (d, d c, acc + d delta)."""
     b_d = tl.load(d + offs, mask=mask, other=0).to(ACC)
-    coef = _coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I, N, N_M, ACC)
     prod = b_d * delta
     if I >= N - N_M:
-        J: tl.constexpr = I - (N - N_M)
-        tl.store(dm + J * stride_m + offs, prod.to(dm.dtype.element_ty), mask=mask)
-    d_after = tl.load(d + offs_after, mask=mask_after, other=0).to(ACC)
-    # c_I of the row after, written out rather than through _coefficient, whose call here costs registers
-    c_after = tl.load(mu + I * C + cols, mask=m_col, other=0).to(ACC)
-    if I >= N - N_M:
-        c_after = c_after + tl.load(m + (I - (N - N_M)) * stride_m + offs_after, mask=mask_after, other=0).to(ACC)
-    return b_d, b_d * coef, d_after * c_after, acc + prod
+        tl.store(dm + (I - (N - N_M)) * stride_m + offs, prod.to(dm.dtype.element_ty), mask=mask)
+    coef = _row_coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I, N, N_M, ACC)
+    return b_d, b_d * coef, acc + prod
+
+
+@triton.jit
+def _row_term(d, mu, m, stride_m, offs, mask, cols, m_col, C, I: tl.constexpr, N: tl.constexpr,
+              N_M: tl.constexpr, ACC: tl.constexpr):
+    """d_I c_I of one row."""
+    coef = _row_coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I, N, N_M, ACC)
+    return tl.load(d + offs, mask=mask, other=0).to(ACC) * coef
 
 
 @triton.jit
 def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, T, C, N_ROWS, stride_m,
                     N: tl.constexpr, N_M: tl.constexpr, HAS_STARTS: tl.constexpr, ACC: tl.constexpr,
-                    BR: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr):
+                    BC: tl.constexpr, ROWS: tl.constexpr):
     i_c, i_p = tl.program_id(0), tl.program_id(1)
     cols = i_c * BC + tl.arange(0, BC)
     m_col = cols < C
-    local = tl.arange(0, BR)
-    # row j of a block takes row j + 1's term: a register gather; the last row takes the row after
-    # the block, loaded on its own
-    shift = tl.minimum(local + 1, BR - 1)[:, None] + tl.zeros([BR, BC], dtype=tl.int32)
-    acc0 = tl.zeros([BR, BC], dtype=ACC)
-    acc1 = tl.zeros([BR, BC], dtype=ACC)
-    acc2 = tl.zeros([BR, BC], dtype=ACC)
-    acc3 = tl.zeros([BR, BC], dtype=ACC)
-    acc4 = tl.zeros([BR, BC], dtype=ACC)
-    acc5 = tl.zeros([BR, BC], dtype=ACC)
-    for tile in range(TILES):
-        r0 = (i_p * TILES + tile) * BR
-        rows = r0 + local
-        mask = (rows < N_ROWS)[:, None] & m_col[None, :]
-        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-        offs_after = (r0 + BR).to(tl.int64) * C + cols
-        mask_after = m_col & _has_previous(r0 + BR + tl.zeros([BC], dtype=tl.int32), T, N_ROWS, starts, HAS_STARTS)
-        prev = _has_previous(rows, T, N_ROWS, starts, HAS_STARTS)
+    zero = tl.zeros([BC], dtype=tl.int32)
+    acc0 = tl.zeros([BC], dtype=ACC)
+    acc1 = tl.zeros([BC], dtype=ACC)
+    acc2 = tl.zeros([BC], dtype=ACC)
+    acc3 = tl.zeros([BC], dtype=ACC)
+    acc4 = tl.zeros([BC], dtype=ACC)
+    acc5 = tl.zeros([BC], dtype=ACC)
+    r_first = i_p * ROWS
+    # the row before the program's rows: its x, and (below) the sums of d - d c that its dx waits for
+    x_prev = tl.load(x + (r_first - 1).to(tl.int64) * C + cols,
+                     mask=m_col & _has_previous(r_first + zero, T, N_ROWS, starts, HAS_STARTS), other=0).to(ACC)
+    pending = tl.zeros([BC], dtype=ACC)
+    for i in range(ROWS):
+        r = r_first + i
+        mask = m_col & (r + zero < N_ROWS)
+        offs = r.to(tl.int64) * C + cols
         b_x = tl.load(x + offs, mask=mask, other=0).to(ACC)
-        b_p = tl.load(x + offs - C, mask=mask & prev[:, None], other=0).to(ACC)
-        delta = b_p - b_x
-        s, g, g_after, acc0 = _bwd_branch(d0, mu, m, dm, stride_m, offs, mask, offs_after, mask_after, cols, m_col,
-                                          C, delta, acc0, 0, N, N_M, ACC)
+        joined = _has_previous(r + zero, T, N_ROWS, starts, HAS_STARTS)  # row r continues row r - 1
+        delta = tl.where(joined, x_prev, 0.0) - b_x
+        s, g, acc0 = _bwd_branch(d0, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc0, 0, N, N_M, ACC)
         if N > 1:
-            s1, g1, a1, acc1 = _bwd_branch(d1, mu, m, dm, stride_m, offs, mask, offs_after, mask_after, cols, m_col,
-                                           C, delta, acc1, 1, N, N_M, ACC)
-            s, g, g_after = s + s1, g + g1, g_after + a1
+            s1, g1, acc1 = _bwd_branch(d1, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc1, 1, N, N_M, ACC)
+            s, g = s + s1, g + g1
         if N > 2:
-            s2, g2, a2, acc2 = _bwd_branch(d2, mu, m, dm, stride_m, offs, mask, offs_after, mask_after, cols, m_col,
-                                           C, delta, acc2, 2, N, N_M, ACC)
-            s, g, g_after = s + s2, g + g2, g_after + a2
+            s2, g2, acc2 = _bwd_branch(d2, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc2, 2, N, N_M, ACC)
+            s, g = s + s2, g + g2
         if N > 3:
-            s3, g3, a3, acc3 = _bwd_branch(d3, mu, m, dm, stride_m, offs, mask, offs_after, mask_after, cols, m_col,
-                                           C, delta, acc3, 3, N, N_M, ACC)
-            s, g, g_after = s + s3, g + g3, g_after + a3
+            s3, g3, acc3 = _bwd_branch(d3, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc3, 3, N, N_M, ACC)
+            s, g = s + s3, g + g3
         if N > 4:
-            s4, g4, a4, acc4 = _bwd_branch(d4, mu, m, dm, stride_m, offs, mask, offs_after, mask_after, cols, m_col,
-                                           C, delta, acc4, 4, N, N_M, ACC)
-            s, g, g_after = s + s4, g + g4, g_after + a4
+            s4, g4, acc4 = _bwd_branch(d4, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc4, 4, N, N_M, ACC)
+            s, g = s + s4, g + g4
         if N > 5:
-            s5, g5, a5, acc5 = _bwd_branch(d5, mu, m, dm, stride_m, offs, mask, offs_after, mask_after, cols, m_col,
-                                           C, delta, acc5, 5, N, N_M, ACC)
-            s, g, g_after = s + s5, g + g5, g_after + a5
-        g_next = tl.where((local == BR - 1)[:, None], g_after[None, :], tl.gather(g, shift, 0))
-        g_next = tl.where(_has_previous(rows + 1, T, N_ROWS, starts, HAS_STARTS)[:, None], g_next, 0.0)
-        tl.store(dx + offs, (s - g + g_next).to(dx.dtype.element_ty), mask=mask)
+            s5, g5, acc5 = _bwd_branch(d5, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc5, 5, N, N_M, ACC)
+            s, g = s + s5, g + g5
+        # dx of row r - 1, now that row r's sum of d c is known
+        tl.store(dx + offs - C, (pending + tl.where(joined, g, 0.0)).to(dx.dtype.element_ty),
+                 mask=m_col & (i > 0) & (r - 1 + zero < N_ROWS))
+        pending = s - g
+        x_prev = b_x
+    # the program's last row takes the sum of d c of the row after its rows, loaded on its own
+    r_end = r_first + ROWS
+    offs = r_end.to(tl.int64) * C + cols
+    mask = m_col & _has_previous(r_end + zero, T, N_ROWS, starts, HAS_STARTS)
+    g = _row_term(d0, mu, m, stride_m, offs, mask, cols, m_col, C, 0, N, N_M, ACC)
+    if N > 1:
+        g += _row_term(d1, mu, m, stride_m, offs, mask, cols, m_col, C, 1, N, N_M, ACC)
+    if N > 2:
+        g += _row_term(d2, mu, m, stride_m, offs, mask, cols, m_col, C, 2, N, N_M, ACC)
+    if N > 3:
+        g += _row_term(d3, mu, m, stride_m, offs, mask, cols, m_col, C, 3, N, N_M, ACC)
+    if N > 4:
+        g += _row_term(d4, mu, m, stride_m, offs, mask, cols, m_col, C, 4, N, N_M, ACC)
+    if N > 5:
+        g += _row_term(d5, mu, m, stride_m, offs, mask, cols, m_col, C, 5, N, N_M, ACC)
+    tl.store(dx + offs - C, (pending + g).to(dx.dtype.element_ty), mask=m_col & (r_end - 1 + zero < N_ROWS))
     n_prog = tl.num_programs(1)
     p_mu = dmu_part + i_p * C + cols
-    tl.store(p_mu, tl.sum(acc0, 0), mask=m_col)
+    tl.store(p_mu, acc0, mask=m_col)
     if N > 1:
-        tl.store(p_mu + n_prog * C, tl.sum(acc1, 0), mask=m_col)
+        tl.store(p_mu + n_prog * C, acc1, mask=m_col)
     if N > 2:
-        tl.store(p_mu + 2 * n_prog * C, tl.sum(acc2, 0), mask=m_col)
+        tl.store(p_mu + 2 * n_prog * C, acc2, mask=m_col)
     if N > 3:
-        tl.store(p_mu + 3 * n_prog * C, tl.sum(acc3, 0), mask=m_col)
+        tl.store(p_mu + 3 * n_prog * C, acc3, mask=m_col)
     if N > 4:
-        tl.store(p_mu + 4 * n_prog * C, tl.sum(acc4, 0), mask=m_col)
+        tl.store(p_mu + 4 * n_prog * C, acc4, mask=m_col)
     if N > 5:
-        tl.store(p_mu + 5 * n_prog * C, tl.sum(acc5, 0), mask=m_col)
+        tl.store(p_mu + 5 * n_prog * C, acc5, mask=m_col)
 
 
 def _tl_accumulation_dtype(dtype: torch.dtype):
@@ -208,9 +231,15 @@ def mix_forward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, start
     return outs
 
 
-def _bwd_programs(n_rows):
+def bwd_launch(n_branches: int) -> tuple[int, int, int]:
+    """The backward's (channels, rows, warps) per program for `n_branches` lerps."""
+    return BWD_LAUNCH_FEW if n_branches <= 2 else BWD_LAUNCH_MANY
+
+
+def _bwd_programs(n_rows: int, n_branches: int) -> int:
     """Row programs of the backward: each sums its rows' dmu into one partial row."""
-    return (n_rows + BLOCK_ROWS_BWD * TILES_BWD - 1) // (BLOCK_ROWS_BWD * TILES_BWD)
+    rows = bwd_launch(n_branches)[1]
+    return (n_rows + rows - 1) // rows
 
 
 def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None,
@@ -222,17 +251,18 @@ def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, star
     B, T, C = x.shape
     N, N_M = mu.shape[0], (m.shape[0] if m is not None else 0)
     n_rows = B * T
-    n_prog = _bwd_programs(n_rows)
+    channels, rows, warps = bwd_launch(N)
+    n_prog = _bwd_programs(n_rows, N)
     acc = accumulation_dtype(x.dtype)
     dx = torch.empty_like(x)
     dm = torch.empty_like(m) if m is not None else None
     dmu_part = torch.empty(N, n_prog, C, dtype=acc, device=x.device)
-    grid = (triton.cdiv(C, BLOCK_CHANNELS_BWD), n_prog)
+    grid = (triton.cdiv(C, channels), n_prog)
     _mix_bwd_kernel[grid](
         x, _starts_arg(x, starts), mu, m if m is not None else x, *_padded(grads, x), dx,
         dm if dm is not None else x, dmu_part, T, C, n_rows, n_rows * C,
         N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=_tl_accumulation_dtype(x.dtype),
-        BR=BLOCK_ROWS_BWD, BC=BLOCK_CHANNELS_BWD, TILES=TILES_BWD, num_warps=WARPS_BWD, num_stages=1,
+        BC=channels, ROWS=rows, num_warps=warps,
     )
     return dx, dmu_part, dm
 
@@ -265,7 +295,7 @@ def _(x, mu, m, starts, grads):
     acc = accumulation_dtype(x.dtype)
     B, T, C = x.shape
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            mu.new_empty((mu.shape[0], _bwd_programs(B * T), C), dtype=acc),
+            mu.new_empty((mu.shape[0], _bwd_programs(B * T, mu.shape[0]), C), dtype=acc),
             torch.empty_like(m, memory_format=torch.contiguous_format) if m is not None else x.new_empty(_EMPTY))
 
 

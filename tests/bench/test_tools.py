@@ -135,3 +135,21 @@ def test_rwkvlm_kernels_name_what_breaks_their_contract():
     x = torch.zeros(1, 32, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous bf16 CUDA tensors of r's shape .* r is torch.bfloat16"):
         check_inputs(x, x, x, x, x, x)
+
+
+def test_train_steps_overrides_replace_its_own_settings_and_config_picks_the_file():
+    from bench.train_step import trainer_args
+
+    args = trainer_args("rwkv7", "340M", 5, "/tmp/dump", ["--model.vocab_size", "65536"],
+                        config="configs/rwkv7_rwkvlm_demo.toml")
+    assert args[:2] == ["--config", "configs/rwkv7_rwkvlm_demo.toml"]
+    assert args.count("--model.vocab_size") == 1 and args[args.index("--model.vocab_size") + 1] == "65536"
+    shipped = trainer_args("gsa", "1B", 5, "/tmp/dump", [])
+    assert shipped[1].endswith("configs/gsa_1B.toml") and "32000" in shipped
+
+
+def test_rwkvlm_train_refuses_to_profile_every_step(tmp_path):
+    from bench.rwkvlm import train
+
+    with pytest.raises(SystemExit, match="--profile-steps 5 must be below --steps 5"):
+        train(None, "unused.pth", tmp_path, 5, kernel="@rwkv3", jit=True, profile_steps=5)

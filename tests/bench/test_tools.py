@@ -146,6 +146,9 @@ def test_train_steps_overrides_replace_its_own_settings_and_config_picks_the_fil
     assert args.count("--model.vocab_size") == 1 and args[args.index("--model.vocab_size") + 1] == "65536"
     shipped = trainer_args("gsa", "1B", 5, "/tmp/dump", [])
     assert shipped[1].endswith("configs/gsa_1B.toml") and "32000" in shipped
+    # the compile cache is shared by the runs on a node, not "none" (torch's one node cache, where
+    # graphs of another version of flame's custom ops would load)
+    assert shipped[shipped.index("--training.compile_cache_dir") + 1].endswith("flame-bench-compile-cache")
 
 
 def test_rwkvlm_train_refuses_to_profile_every_step(tmp_path):

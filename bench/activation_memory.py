@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.launcher import NODE_COMPILE_CACHE
+
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("rwkv7", "rwkv6", "gsa")
 POLICIES = ("none", "selective", "elementwise", "full")
@@ -67,7 +69,7 @@ def trainer_args(family: str, policy: str, flag: str, width: int, depth: int, ba
         "--training.compile", "true", "--training.cuda_graphs", "true", "--training.steps", "100",
         "--checkpoint.enable", "false", "--metrics.val_freq", "0", "--metrics.enable_wandb", "false",
         "--job.dump_folder", dump,
-        "--training.compile_cache_dir", "none",  # the node's cache, which every run's new dump folder shares
+        "--training.compile_cache_dir", NODE_COMPILE_CACHE,
     ]
 
 

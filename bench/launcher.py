@@ -2,7 +2,7 @@
 to every rank), and the preempt-and-resume check; bench.scale and bench.dp_proofs share them.
 
 - `trainer_keys`: the trainer arguments every benchmark run has (the embedded corpus, every step
-  logged, no validation, no wandb, no compile cache of the run's own).
+  logged, no validation, no wandb, the node's compile cache `NODE_COMPILE_CACHE`).
 - `launch`: P processes on one node, or on two "nodes" of this host (two launch/train.sh with
   NNODE=2 and NODE_RANK=0|1, the GPUs split between them by CUDA_VISIBLE_DEVICES, meeting on
   localhost); a `Trigger` acts on the run once a condition holds (`sigusr1_to_torchrun`,
@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,12 +45,18 @@ class RunError(RuntimeError):
     """A run failed or a check could not be made; the message says which and why."""
 
 
+NODE_COMPILE_CACHE = str(Path(tempfile.gettempdir()) / "flame-bench-compile-cache")
+"""training.compile_cache_dir of every benchmark run: one folder on the node that the runs' new
+dump folders share, with a subfolder per version of flame's source (flame.train.compile_cache), so
+that runs of two versions on one node never load each other's compiled graphs."""
+
+
 def trainer_keys(config: str, dump: Path, steps: int, device: str, overrides: list[str]) -> list[str]:
     """The trainer's arguments that every benchmark run shares; the caller's `overrides` come after
     the config and the embedded corpus, and the keys after them win over them."""
     return ["--config", config, *EMBEDDED_DATA, *overrides,
             "--job.dump_folder", str(dump), "--training.steps", str(steps),
-            "--training.compile_cache_dir", "none",  # the node's cache, which the runs' dump folders share
+            "--training.compile_cache_dir", NODE_COMPILE_CACHE,
             "--training.device", device,
             "--metrics.log_freq", "1", "--metrics.val_freq", "0", "--metrics.enable_wandb", "false",
             "--lr_scheduler.warmup_steps", str(max(1, steps // 5))]

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from bench.fla_models import fla_model_factory
+from bench.launcher import NODE_COMPILE_CACHE
 from bench.timing import FLA_MISSING, KINDS, fla_available, kernel_times, require_cuda, triton_kernel_names
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,9 +66,7 @@ def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides
         "--training.steps": str(steps), "--checkpoint.enable": "false",
         "--metrics.val_freq": "0", "--metrics.log_freq": str(steps), "--metrics.enable_wandb": "false",
         "--job.dump_folder": dump_folder,
-        # one cache on the node for every run's new dump folder, in a subfolder per version of
-        # flame's source (flame.train.compile_cache): runs of two versions never share graphs
-        "--training.compile_cache_dir": str(Path(tempfile.gettempdir()) / "flame-bench-compile-cache"),
+        "--training.compile_cache_dir": NODE_COMPILE_CACHE,
     }
     # an override replaces the benchmark's own setting of its key (the trainer takes each key once)
     mine = [arg for key, value in settings.items() if key not in overrides for arg in (key, value)]

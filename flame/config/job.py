@@ -174,9 +174,10 @@ class Training:
     kernels: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into it), so that a restart on any
     node that sees the folder loads the code instead of compiling it again. "" is
     <job.dump_folder>/compile_cache; "none" leaves the caches in torch's and Triton's default
-    folders on the node. Each version of flame's source gets a subfolder of its own; either
-    variable set in the environment wins. The log says whether the cache was warm and how long
-    the first step took."""
+    folders on the node, which every version of flame shares (graphs traced through another
+    version's custom ops can load there). Each version of flame's source gets a subfolder of a
+    folder of flame's own; either variable set in the environment wins. The log says whether
+    the cache was warm and how long the first step took."""
     cuda_graphs: bool = True
     """With training.compile on CUDA, a model that FSDP does not shard and fixed-length batches:
     replay each compiled block as a CUDA graph (torch.compile's "reduce-overhead" mode), so that

@@ -3,11 +3,13 @@
 The chunked ops reach torch.compile as custom ops (torch.ops.flame.chunk_<family>_fwd/_bwd), so each
 block is one graph. With the op behind a graph break instead, saving the compiled backward of the region
 beside it to the AOTAutograd cache crashes the process (SIGSEGV in the cache entry's pickling, on the
-first backward, on an H100): the RWKV7 test runs Inductor with that cache on. The runs happen in
-subprocesses so that a crash fails a test instead of the test session. The Triton backend runs on
-the GPU where there is one, under Triton's interpreter on CPU otherwise.
+first backward, on an H100): the RWKV7 test runs Inductor with that cache on, in a cache folder of
+its own (the node's default folder may hold graphs traced through another version of flame's custom
+ops). The runs happen in subprocesses so that a crash fails a test instead of the test session. The
+Triton backend runs on the GPU where there is one, under Triton's interpreter on CPU otherwise.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -42,8 +44,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_compiled_rwkv7_model_with_autograd_cache_trains_like_eager():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)
+def test_compiled_rwkv7_model_with_autograd_cache_trains_like_eager(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 

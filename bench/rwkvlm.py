@@ -602,11 +602,10 @@ def train(cfg, init: str, out: Path, steps: int, *, kernel: str, jit: bool, prof
     from torch.profiler import ProfilerActivity, profile
 
     from bench.timing import kernel_times
+    from flame.data import build_job_dataloader, load_tokenizer
 
     if not 0 <= profile_steps < steps:
         raise SystemExit(f"bench.rwkvlm train: --profile-steps {profile_steps} must be below --steps {steps}")
-    from flame.data import build_job_dataloader, load_tokenizer
-
     if cfg.training.gradient_accumulation_steps != 1:
         raise SystemExit("bench.rwkvlm train: gradient accumulation is not part of RWKV-LM's demo step")
     tokenizer = load_tokenizer(cfg.data.tokenizer)

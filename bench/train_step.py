@@ -60,9 +60,9 @@ def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides
                  config: str | None = None) -> list[str]:
     """The command line of `python -m flame.train` that the benchmark steps through: `config`, or
     else the shipped configs/<family>_<size>.toml."""
-    settings = {
-        "--data.dataset": "embedded", "--data.tokenizer": "", "--data.streaming": "false",
-        "--data.num_workers": "0", "--model.vocab_size": "32000",
+    settings = {  # the embedded corpus, whatever data the config names
+        "--data.dataset": "embedded", "--data.name": "", "--data.data_files": "[]", "--data.shard_dir": "",
+        "--data.tokenizer": "", "--data.streaming": "false", "--data.num_workers": "0", "--model.vocab_size": "32000",
         "--training.steps": str(steps), "--checkpoint.enable": "false",
         "--metrics.val_freq": "0", "--metrics.log_freq": str(steps), "--metrics.enable_wandb": "false",
         "--job.dump_folder": dump_folder,

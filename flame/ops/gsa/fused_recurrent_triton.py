@@ -66,12 +66,18 @@ def _start_state(h0, i_nh, o_r, o_c, m_r, m_c, R: tl.constexpr, C: tl.constexpr,
 
 
 @triton.jit
+def _token_vector(x, t, i_h, o, mask, H: tl.constexpr, D: tl.constexpr):
+    """Token t's [D] vector of head i_h in x [.., T, H, D] (the lanes `o` under `mask`), fp32."""
+    return tl.load(x + (t * H + i_h) * D + o, mask=mask, other=0.).to(tl.float32)
+
+
+@triton.jit
 def _slot_state_step(b_h, k, s, g, t, i_h, o_k, o_m, m_k, m_m,
                      H: tl.constexpr, K: tl.constexpr, M: tl.constexpr):
     """Pass K's step: Hk_t = Hk_{t-1} diag(exp(g_t)) + k_t s_t^T, [BK, BM] in fp32."""
-    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-    b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-    b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
+    b_k = _token_vector(k, t, i_h, o_k, m_k, H, K)
+    b_s = _token_vector(s, t, i_h, o_m, m_m, H, M)
+    b_g = _token_vector(g, t, i_h, o_m, m_m, H, M)
     return b_h * tl.exp(b_g)[None, :] + b_k[:, None] * b_s[None, :]
 
 
@@ -79,9 +85,9 @@ def _slot_state_step(b_h, k, s, g, t, i_h, o_k, o_m, m_k, m_m,
 def _value_state_step(b_h, s, g, v, t, i_h, o_m, o_v, m_m, m_v,
                       H: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
     """Pass V's step: Hv_t = diag(exp(g_t)) Hv_{t-1} + s_t v_t^T, [BM, BV] in fp32."""
-    b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-    b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-    b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+    b_s = _token_vector(s, t, i_h, o_m, m_m, H, M)
+    b_g = _token_vector(g, t, i_h, o_m, m_m, H, M)
+    b_v = _token_vector(v, t, i_h, o_v, m_v, H, V)
     return b_h * tl.exp(b_g)[:, None] + b_s[:, None] * b_v[None, :]
 
 
@@ -101,7 +107,7 @@ def _fwd_slots(q, k, s, g, hk0, p, hkT, cu_seqlens, scale, T,
         b_h = _slot_state_step(b_h, k, s, g, t, i_h, o_k, o_m, m_k, m_m, H, K, M)
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
-            b_q = tl.load(q + (t * H * NG + i_hq) * K + o_k, mask=m_k, other=0.).to(tl.float32) * scale
+            b_q = _token_vector(q, t, i_hq, o_k, m_k, H * NG, K) * scale
             b_z = tl.sum(b_h * b_q[:, None], 0)
             b_z = tl.where(m_m, b_z, float('-inf'))
             b_e = tl.exp(b_z - tl.max(b_z, 0))
@@ -152,7 +158,7 @@ def _bwd_dp(s, g, v, do, hv0, dp_part, cu_seqlens, T,
         b_h = _value_state_step(b_h, s, g, v, t, i_h, o_m, o_v, m_m, m_v, H, M, V)
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
-            b_do = tl.load(do + (t * H * NG + i_hq) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+            b_do = _token_vector(do, t, i_hq, o_v, m_v, H * NG, V)
             b_dp = tl.sum(b_h * b_do[None, :], 1)
             tl.store(dp_part + ((t * NV + i_v) * H * NG + i_hq) * M + o_m, b_dp, mask=m_m)
 
@@ -178,7 +184,7 @@ def _bwd_dz(q, k, s, g, hk0, p, dp_part, dq, dz, qside, cu_seqlens, scale, T,
             for i_v in tl.static_range(NV):
                 b_dp += tl.load(dp_part + ((t * NV + i_v) * H * NG + i_hq) * M + o_m, mask=m_m, other=0.)
             b_dz = b_p * (b_dp - tl.sum(b_p * b_dp, 0))
-            b_q = tl.load(q + (t * H * NG + i_hq) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_q = _token_vector(q, t, i_hq, o_k, m_k, H * NG, K)
             b_z = tl.sum(b_h * b_q[:, None], 0) * scale
             b_dq = tl.sum(b_h * b_dz[None, :], 1) * scale
             tl.store(dq + (t * H * NG + i_hq) * K + o_k, b_dq.to(dq.dtype.element_ty), mask=m_k)
@@ -205,11 +211,11 @@ def _bwd_values(s, g, v, p, do, dhvT, dv, dsv_part, dhv0, cu_seqlens, T,
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
             b_p = tl.load(p + (t * H * NG + i_hq) * M + o_m, mask=m_m, other=0.)
-            b_do = tl.load(do + (t * H * NG + i_hq) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+            b_do = _token_vector(do, t, i_hq, o_v, m_v, H * NG, V)
             b_dh += b_p[:, None] * b_do[None, :]
-        b_s = tl.load(s + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_g = tl.load(g + (t * H + i_h) * M + o_m, mask=m_m, other=0.).to(tl.float32)
-        b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+        b_s = _token_vector(s, t, i_h, o_m, m_m, H, M)
+        b_g = _token_vector(g, t, i_h, o_m, m_m, H, M)
+        b_v = _token_vector(v, t, i_h, o_v, m_v, H, V)
         b_dv = tl.sum(b_dh * b_s[:, None], 0)
         tl.store(dv + (t * H + i_h) * V + o_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
         b_ds = tl.sum(b_dh * b_v[None, :], 1)
@@ -240,11 +246,11 @@ def _bwd_slots(q, k, s, g, dz, qside, dsv_part, dhkT, dg_last, dk, ds, dg, dhk0,
         t = eos - 1 - i_t
         for i_g in tl.static_range(NG):
             i_hq = i_h * NG + i_g
-            b_q = tl.load(q + (t * H * NG + i_hq) * K + o_k, mask=m_k, other=0.).to(tl.float32) * scale
+            b_q = _token_vector(q, t, i_hq, o_k, m_k, H * NG, K) * scale
             b_dz = tl.load(dz + (t * H * NG + i_hq) * M + o_m, mask=m_m, other=0.)
             b_dh += b_q[:, None] * b_dz[None, :]
         off_m = (t * H + i_h) * M + o_m
-        b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_k = _token_vector(k, t, i_h, o_k, m_k, H, K)
         b_s = tl.load(s + off_m, mask=m_m, other=0.).to(tl.float32)
         b_g = tl.load(g + off_m, mask=m_m, other=0.).to(tl.float32)
         b_dk = tl.sum(b_dh * b_s[None, :], 1)

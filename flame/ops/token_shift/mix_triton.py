@@ -51,8 +51,9 @@ def _has_previous(rows, T, N_ROWS, starts, HAS_STARTS: tl.constexpr):
 @triton.jit
 def _coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I: tl.constexpr, N: tl.constexpr,
                  N_M: tl.constexpr, ACC: tl.constexpr):
-    """c_I = mu_I (+ m_J for the last N_M branches, J = I - (N - N_M)) on one tile."""
-    coef = tl.load(mu + I * C + cols, mask=m_col, other=0).to(ACC)[None, :]
+    """c_I = mu_I (+ m_J for the last N_M branches, J = I - (N - N_M)) at `offs`: a [BR, BC] tile or
+    one row [BC] (mu_I's [BC] broadcasts over a tile's rows)."""
+    coef = tl.load(mu + I * C + cols, mask=m_col, other=0).to(ACC)
     if I >= N - N_M:
         J: tl.constexpr = I - (N - N_M)
         coef = coef + tl.load(m + J * stride_m + offs, mask=mask, other=0).to(ACC)
@@ -94,16 +95,6 @@ def _mix_fwd_kernel(x, starts, mu, m, o0, o1, o2, o3, o4, o5, T, C, N_ROWS, stri
 
 
 @triton.jit
-def _row_coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I: tl.constexpr, N: tl.constexpr,
-                     N_M: tl.constexpr, ACC: tl.constexpr):
-    """c_I of one row (a [BC] vector): mu_I (+ m_J for the last N_M branches)."""
-    coef = tl.load(mu + I * C + cols, mask=m_col, other=0).to(ACC)
-    if I >= N - N_M:
-        coef = coef + tl.load(m + (I - (N - N_M)) * stride_m + offs, mask=mask, other=0).to(ACC)
-    return coef
-
-
-@triton.jit
 def _bwd_branch(d, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc,
                 I: tl.constexpr, N: tl.constexpr, N_M: tl.constexpr, ACC: tl.constexpr):
     """Branch I on one row: stores dm_I; returns (d, d c, acc + d delta)."""
@@ -111,7 +102,7 @@ def _bwd_branch(d, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc,
     prod = b_d * delta
     if I >= N - N_M:
         tl.store(dm + (I - (N - N_M)) * stride_m + offs, prod.to(dm.dtype.element_ty), mask=mask)
-    coef = _row_coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I, N, N_M, ACC)
+    coef = _coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I, N, N_M, ACC)
     return b_d, b_d * coef, acc + prod
 
 
@@ -119,7 +110,7 @@ def _bwd_branch(d, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc,
 def _row_term(d, mu, m, stride_m, offs, mask, cols, m_col, C, I: tl.constexpr, N: tl.constexpr,
               N_M: tl.constexpr, ACC: tl.constexpr):
     """d_I c_I of one row."""
-    coef = _row_coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I, N, N_M, ACC)
+    coef = _coefficient(mu, m, stride_m, offs, mask, cols, m_col, C, I, N, N_M, ACC)
     return tl.load(d + offs, mask=mask, other=0).to(ACC) * coef
 
 

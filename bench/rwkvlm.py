@@ -618,7 +618,7 @@ def train(cfg, init: str, out: Path, steps: int, *, kernel: str, jit: bool, prof
     batches = iter(loader)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
-    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profile_steps else None
     with (out / "metrics.jsonl").open("w") as f:
         for step in range(steps):
             if profile_steps and step == steps - profile_steps:

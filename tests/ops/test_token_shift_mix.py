@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flame.ops.token_shift import token_shift_mix
-from flame.ops.token_shift.mix_triton import BLOCK_CHANNELS, BLOCK_ROWS, BWD_LAUNCH_FEW, BWD_LAUNCH_MANY
+from flame.ops.token_shift.mix_triton import BLOCK_CHANNELS, BLOCK_ROWS, BWD_LAUNCHES
 from tests.ops.assertions import assert_close
 from tests.ops.inputs import make_cu_seqlens
 
@@ -68,12 +68,12 @@ def _assert_matches_oracle(x, mu, m, grads, ratio, used=None, starts=(), **kw):
 @pytest.mark.parametrize("N, N_M", [(6, 5), (6, 0), (2, 0), (1, 0), (3, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_fp64_oracle(N, N_M, dtype):
-    # 2 x 70 rows: row blocks across the batch boundary and a partial last one; C = 300: several
-    # channel blocks and a partial last one, forward and backward
-    for channels, rows, _ in (BWD_LAUNCH_FEW, BWD_LAUNCH_MANY):
-        assert 70 % rows and 140 % rows and channels < 300 and 300 % channels
-    assert 70 % BLOCK_ROWS and 140 % BLOCK_ROWS and BLOCK_CHANNELS < 300 and 300 % BLOCK_CHANNELS
-    _assert_matches_oracle(*_inputs(2, 70, 300, N, N_M, dtype), RATIO[dtype])
+    # 2 x 70 rows: row blocks across the batch boundary and a partial last one; C = 1100: several
+    # channel blocks and a partial last one, forward and backward, at every launch shape
+    for channels, rows, _ in BWD_LAUNCHES:
+        assert 70 % rows and 140 % rows and channels < 1100 and 1100 % channels
+    assert 70 % BLOCK_ROWS and 140 % BLOCK_ROWS and BLOCK_CHANNELS < 1100 and 1100 % BLOCK_CHANNELS
+    _assert_matches_oracle(*_inputs(2, 70, 1100, N, N_M, dtype), RATIO[dtype])
 
 
 def test_packed_documents_shift_zeros_at_every_start():

@@ -19,9 +19,9 @@ own. The per-program dmu sums are added up afterwards (fp32, in a fixed order: d
 arithmetic is fp32 (fp64 for fp64 inputs); outputs round once.
 
 Launch shapes: the forward's tile is memory-bound at every shape tried. The backward's
-(`bwd_launch`) come from eleven shapes timed on an H100 at the 340M layer size (bench/RESULTS.md,
-"token-shift lerps"): the fastest for three or more branches; for one or two, one within 4% of the
-fastest that keeps 256 channels per program. A row walk holds [BC] vectors only: no shape spills.
+(`bwd_launch`) are the fastest of thirteen shapes timed on an H100 at the 340M layer size for each
+case the models launch: one, two and six static lerps, and five with dynamic terms (bench/RESULTS.md,
+kernels: "Token-shift lerps' backward"). A row walk holds [BC] vectors only: no shape spills.
 """
 
 from __future__ import annotations
@@ -34,8 +34,12 @@ from ..utils.dtypes import accumulation_dtype
 
 MAX_BRANCHES = 6
 BLOCK_CHANNELS, BLOCK_ROWS, WARPS = 128, 32, 4  # forward
-# backward (channels, rows, warps) per program: for up to two branches, and for more
-BWD_LAUNCH_FEW, BWD_LAUNCH_MANY = (256, 16, 2), (256, 64, 4)
+# backward (channels, rows, warps) per program, by case (`bwd_launch`)
+BWD_LAUNCH_ONE = (1024, 16, 4)      # one static lerp
+BWD_LAUNCH_TWO = (256, 32, 2)       # two static lerps
+BWD_LAUNCH_MANY = (256, 64, 4)      # three or more static lerps
+BWD_LAUNCH_DYNAMIC = (1024, 16, 4)  # lerps with dynamic terms m
+BWD_LAUNCHES = (BWD_LAUNCH_ONE, BWD_LAUNCH_TWO, BWD_LAUNCH_MANY, BWD_LAUNCH_DYNAMIC)
 
 
 @triton.jit
@@ -222,14 +226,17 @@ def mix_forward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, start
     return outs
 
 
-def bwd_launch(n_branches: int) -> tuple[int, int, int]:
-    """The backward's (channels, rows, warps) per program for `n_branches` lerps."""
-    return BWD_LAUNCH_FEW if n_branches <= 2 else BWD_LAUNCH_MANY
+def bwd_launch(n_branches: int, n_dynamic: int) -> tuple[int, int, int]:
+    """The backward's (channels, rows, warps) per program for `n_branches` lerps, `n_dynamic` of
+    them with dynamic terms."""
+    if n_dynamic:
+        return BWD_LAUNCH_DYNAMIC
+    return BWD_LAUNCH_ONE if n_branches == 1 else BWD_LAUNCH_TWO if n_branches == 2 else BWD_LAUNCH_MANY
 
 
-def _bwd_programs(n_rows: int, n_branches: int) -> int:
+def _bwd_programs(n_rows: int, n_branches: int, n_dynamic: int) -> int:
     """Row programs of the backward: each sums its rows' dmu into one partial row."""
-    rows = bwd_launch(n_branches)[1]
+    rows = bwd_launch(n_branches, n_dynamic)[1]
     return (n_rows + rows - 1) // rows
 
 
@@ -242,8 +249,8 @@ def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, star
     B, T, C = x.shape
     N, N_M = mu.shape[0], (m.shape[0] if m is not None else 0)
     n_rows = B * T
-    channels, rows, warps = bwd_launch(N)
-    n_prog = _bwd_programs(n_rows, N)
+    channels, rows, warps = bwd_launch(N, N_M)
+    n_prog = _bwd_programs(n_rows, N, N_M)
     acc = accumulation_dtype(x.dtype)
     dx = torch.empty_like(x)
     dm = torch.empty_like(m) if m is not None else None
@@ -286,7 +293,8 @@ def _(x, mu, m, starts, grads):
     acc = accumulation_dtype(x.dtype)
     B, T, C = x.shape
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            mu.new_empty((mu.shape[0], _bwd_programs(B * T, mu.shape[0]), C), dtype=acc),
+            mu.new_empty((mu.shape[0], _bwd_programs(B * T, mu.shape[0], m.shape[0] if m is not None else 0), C),
+                         dtype=acc),
             torch.empty_like(m, memory_format=torch.contiguous_format) if m is not None else x.new_empty(_EMPTY))
 
 

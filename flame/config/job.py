@@ -264,6 +264,9 @@ class Checkpoint:
     """Keep only the newest k checkpoints; 0 keeps all."""
     async_mode: str = field(default="disabled", metadata=one_of("disabled", "async"))
     """"disabled" or "async"."""
+    io_threads: int = field(default=8, metadata={"ge": 1})
+    """Threads per rank that write a checkpoint's files (one file each) and read them back on a
+    resume; 1 writes one file per rank and reads one file at a time."""
     load_step: int = field(default=-1, metadata={"ge": -1})
     """Resume from this step; -1 picks the latest complete checkpoint."""
     initial_load_path: str = ""

@@ -1,8 +1,8 @@
 """The flame trainer: config in; trained model, metrics and checkpoints out.
 
 `Trainer(cfg).train()` reads like the story of a run: set up the processes, build tokenizer, data,
-model, the step (gradient buffers, optimizer, LR schedule), the checkpointer, resume if there is
-something to resume, then step. One optimizer step = `gradient_accumulation_steps` micro-batches on
+the checkpointer, the model (initialised unless a checkpoint of the run replaces its weights), the
+step (gradient buffers, optimizer, LR schedule), resume if there is something to resume, then step. One optimizer step = `gradient_accumulation_steps` micro-batches on
 each data-parallel rank; its objective is the token-mean cross-entropy over every valid token of
 the step, on all ranks (`flame.train.loss`).
 
@@ -129,10 +129,13 @@ class Trainer(Stateful):
         logger.info("data: ready in %.1fs", time.monotonic() - start)
 
         # 3. model: parallelised (and whether its blocks replay as CUDA graphs), materialised,
-        # initialised (the same on every replica); the compiled code is cached where a restart
-        # finds it
+        # initialised (the same on every replica) unless the run resumes from a checkpoint of its
+        # own, whose weights replace every parameter; the compiled code is cached where a restart
+        # finds it. Every checkpoint holds the config it was trained with.
         self.compile_cache = CompileCache.setup(training, cfg.job.dump_folder, self.rank)
-        self.model = self.materialize(model)
+        self.checkpointer = CheckpointManager(cfg.checkpoint, str(self.dump_folder), run_config=to_toml(cfg))
+        resume_step = self.resume_step()
+        self.model = self.materialize(model, initialise=resume_step is None)
 
         # 4. the step: gradient buffers, optimizer, LR schedule, non-finite guard
         compute_weights = ComputeWeights(self.model, self.precision.compute_weights)
@@ -152,11 +155,9 @@ class Trainer(Stateful):
             fused_update=cfg.optimizer.implementation == "fused")
         self.guard = NonFiniteGuard(training, self.model, self.parallel, self.pipeline.forward)
 
-        # 5. checkpoints (and a resume when there is one), preemption, metrics; every checkpoint
-        # holds the config it was trained with
-        self.checkpointer = CheckpointManager(cfg.checkpoint, str(self.dump_folder), run_config=to_toml(cfg))
+        # 5. the resume when there is one, preemption, metrics
         self.state = TrainState(dp_world_size=self.parallel.dp_world_size)
-        self.resume()
+        self.resume(resume_step)
         self.stop_signals = StopSignals(training.stop_signals)
         self.boundary = StepBoundary(self.parallel, self.stop_signals, self.checkpointer,
                                      cfg.parallel.collective_timeout_minutes)
@@ -198,9 +199,10 @@ class Trainer(Stateful):
             job_seed=self.cfg.job.seed, dp_rank=self.parallel.dp_rank,
             dp_world_size=self.parallel.dp_world_size)
 
-    def materialize(self, model: torch.nn.Module) -> torch.nn.Module:
+    def materialize(self, model: torch.nn.Module, initialise: bool = True) -> torch.nn.Module:
         """The meta-device `model` parallelised (AC, compile, FSDP: `parallelize`, which decides
-        `self.cuda_graphs`), on the device, initialised."""
+        `self.cuda_graphs`), on the device, initialised (`initialise`; else its values are
+        undefined until a checkpoint load, which is strict: it fills every parameter or fails)."""
         logger.info("model: %s, parallelising and initialising ...", self.cfg.model.family)
         start = time.monotonic()
         self.cuda_graphs = parallelize(model, self.cfg, self.parallel, self.precision)
@@ -212,10 +214,13 @@ class Trainer(Stateful):
             model.to_empty(device=self.device)
         finally:
             torch.__future__.set_swap_module_params_on_conversion(swap)
-        torch.manual_seed(self.cfg.job.seed)  # the same full init on every rank and any sharding
-        with torch.no_grad():
-            model.init_weights()
-        broadcast_replicas(model, self.parallel)
+        if initialise:
+            torch.manual_seed(self.cfg.job.seed)  # the same full init on every rank and any sharding
+            with torch.no_grad():
+                model.init_weights()
+            broadcast_replicas(model, self.parallel)
+        else:
+            logger.info("model: not initialised, the checkpoint's weights replace it")
         model.train()
         num_params = sum(p.numel() for p in model.parameters())
         logger.info("model: %s, %.2fM parameters, ready in %.1fs", self.cfg.model.family,
@@ -475,12 +480,17 @@ class Trainer(Stateful):
             state["trainer"] = self
         return state
 
-    def resume(self) -> None:
-        """Resume from the latest complete checkpoint (or load_step); else initial_load_path.
-        A checkpoint past training.steps is refused: the run would end at once, at the
-        checkpoint's step, without a step of training, and report that as done."""
+    def resume_step(self) -> int | None:
+        """The step of this run's own checkpoint to resume from (the latest complete one, or
+        checkpoint.load_step), or None for a new run."""
         ckpt = self.cfg.checkpoint
-        step = self.checkpointer.resume_step() if ckpt.enable or ckpt.load_step >= 0 else None
+        return self.checkpointer.resume_step() if ckpt.enable or ckpt.load_step >= 0 else None
+
+    def resume(self, step: int | None) -> None:
+        """Resume from this run's checkpoint at `step` (`resume_step`); without one, start from
+        initial_load_path if given. A checkpoint past training.steps is refused: the run would end
+        at once, at the checkpoint's step, without a step of training, and report that as done."""
+        ckpt = self.cfg.checkpoint
         if step is not None:
             self.load_full_checkpoint(self.checkpointer.step_dir(step))
         elif ckpt.initial_load_path:

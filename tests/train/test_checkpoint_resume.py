@@ -104,3 +104,26 @@ def test_initial_load_model_only_starts_a_new_run(straight_and_resumed, tmp_path
     assert trainer.state.step == 0 and trainer.lr_scheduler.last_epoch == 0
     for name, value in params(straight.model).items():
         assert torch.equal(value, params(trainer.model)[name]), name
+
+
+def test_a_resume_reads_a_threaded_save_and_skips_the_initialisation(straight_and_resumed, tmp_path,
+                                                                       monkeypatch):
+    """checkpoint.io_threads files per rank come back whole (ParallelFileReader), and a run that
+    resumes does not initialise the weights its checkpoint replaces."""
+    from flame.models.causal_lm import CausalLM
+
+    root, straight, *_ = straight_and_resumed
+    dump = copy_of_straight_run(straight_and_resumed, tmp_path / "copy")
+    assert len(list((dump / "checkpoint" / "step-8").glob("__0_*.distcp"))) > 1
+    shutil.rmtree(dump / "checkpoint" / "step-8")  # resume from step 4, as a preempted run would
+    calls = []
+    init = CausalLM.init_weights
+    monkeypatch.setattr(CausalLM, "init_weights", lambda model: (calls.append(model), init(model)))
+    resumed = Trainer(run_config(dump))
+    assert resumed.state.step == 4 and calls == []
+    resumed.train()
+    assert losses(dump)[8] == losses(root / "straight")[8]
+    for name, value in params(straight.model).items():
+        assert torch.equal(value, params(resumed.model)[name]), name
+    Trainer(run_config(tmp_path / "new"))  # a new run initialises
+    assert len(calls) == 1

@@ -232,9 +232,10 @@ _VALUE_BLOCK = 128
 _SLOT_FP32_MAX_M = 32
 _SLOT_WARPS = 4
 _SLOT_STAGES = 1
-# 8 warps for the common core's intra (A) and dq/dk/dg kernels in GSA's wide value pass (slots ->
-# values): faster than the core's default 4 at the 340M shapes (bench/RESULTS.md, kernels: chunk_gsa);
-# the core's other kernels keep their defaults.
+# 8 warps for the common core's intra (A) kernel in GSA's wide value pass (slots -> values): faster
+# than the core's default 4 at the 340M shapes (bench/RESULTS.md, kernels: chunk_gsa); the dq/dk/dg
+# kernel and the core's others keep their defaults, the fastest there (bench/RESULTS.md, kernels:
+# "Chunk kernels' launch settings").
 _CORE_WARPS = 8
 
 
@@ -361,7 +362,7 @@ def _backward(q, k, v, s, g, hk0T, hv0_, z, p, gc, hk, hv, scale, cu_seqlens, ch
                                with_dA=False)
     _, dA, _ = chunk_dv_dA_bwd(None, v_, None, None, do, None, layout, 1.0, False, False, DT, BM, BV, with_dv=False)
     dp, ds_v, dg_v, _ = chunk_dqkg_from_dA(p, s_.float(), v_, gc, gc, None, hv, do, dhv, dA, None, layout, 1.0,
-                                           False, DT, BM, BV, num_warps=_CORE_WARPS)
+                                           False, DT, BM, BV)
     # softmax over slots, fp32
     dz = p * (dp - (p * dp).sum(-1, keepdim=True))
     # pass K: transposed states and state gradients from the core, then the column-gated read backward

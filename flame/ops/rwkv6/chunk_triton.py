@@ -22,6 +22,9 @@ from ..common.chunk_triton import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_
                       dot_dtype, walks)
 
 CHUNK_SIZE = 64
+# sub-chunk of the forward intra kernel's exact diagonal blocks: 8 the fastest of 8, 16 and 32 at the
+# 340M layer shape on an H100 (bench/RESULTS.md, kernels: "Chunk kernels' launch settings")
+INTRA_SUB_CHUNK = 8
 
 
 def _forward(r, k, v, w, u, scale, h0, output_final_state, cu_seqlens, chunk_size):
@@ -33,10 +36,11 @@ def _forward(r, k, v, w, u, scale, h0, output_final_state, cu_seqlens, chunk_siz
     BK, BV = block_sizes(K, V)
     gc = chunk_local_cumsum(w, layout)
     if walks(layout, H, K, V):
-        A, _ = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK)
+        A, _ = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK, sub_chunk=INTRA_SUB_CHUNK)
         h, ht = chunk_state_fwd(k, v, gc, layout, h0, output_final_state, DT)
     else:  # the intra kernel forms the local state terms too, for the split pass's scan
-        A, h = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK, v=v, block_v=BV)
+        A, h = chunk_intra_fwd(r, k, gc, u, layout, scale, True, DT, BK, v=v, block_v=BV,
+                                   sub_chunk=INTRA_SUB_CHUNK)
         h, ht = chunk_scan_states(h, gc, layout, h0, output_final_state, reverse=False)
     o = chunk_output(r, v, gc, h, A, layout, scale, True, DT, BK, BV)
     return o, ht, A

@@ -68,6 +68,7 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch):
 GPU_TOOLS = {  # tool: its arguments of a GPU measurement
     "train_step": [], "scale": ["--configs", "configs/tiny.toml"], "loss": ["--device", "cuda"],
     "generate": [], "ops": [], "decode_matmul": [], "decode_matmul --sweep": ["--sweep"], "dp_proofs": [],
+    "launch_settings": [],
 }
 
 
@@ -156,3 +157,19 @@ def test_rwkvlm_train_refuses_to_profile_every_step(tmp_path):
 
     with pytest.raises(SystemExit, match="--profile-steps 5 must be below --steps 5"):
         train(None, "unused.pth", tmp_path, 5, kernel="@rwkv3", jit=True, profile_steps=5)
+
+
+@pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa"])
+def test_launch_settings_vary_settings_the_kernels_read(op):
+    """Every variant replaces a module attribute that exists and holds a value of the kind it
+    sets (a constant of the same type, or the function the op calls), so that a renamed constant
+    fails here rather than sweeping nothing."""
+    from bench import launch_settings
+    from bench.ops import REGISTRY
+
+    assert op in REGISTRY and set(launch_settings.SHAPES) == {"chunk_rwkv6", "chunk_gsa"}
+    found = launch_settings.variants(op)
+    assert len(found) >= 15
+    for label, (module, name, value) in found.items():
+        shipped = getattr(module, name)
+        assert callable(value) if callable(shipped) else type(value) is type(shipped) and value != shipped, label

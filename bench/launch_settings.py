@@ -1,0 +1,133 @@
+"""Launch settings of flame's chunk kernels, one at a time around the shipped ones, by GPU kernel time.
+
+    python -m bench.launch_settings --ops chunk_rwkv6,chunk_gsa --out launch.json
+
+Each variant changes one launch setting (a sub-chunk, a warp count, a pipeline depth or a block width
+that the kernels' modules expose as constants or keyword arguments) and times the op's forward and
+backward at the 340M layer shape, bf16: the GPU time of each kernel, summed over `--iters` calls
+under torch.profiler after two warm-up calls. Kernel time, not wall time: a fwd+bwd of a few ms
+through autograd is partly host-bound, and a wall-clock timer measures the host's load as much as
+the kernels (bench/RESULTS.md, kernels: "Chunk kernels' launch settings"). A setting is worth
+shipping only when the whole training step confirms it (`bench.train_step`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+from bench.timing import require_cuda
+
+SHAPES = {"chunk_rwkv6": dict(B=8, T=2048, H=16, K=64, V=64),
+          "chunk_gsa": dict(B=8, T=2048, H=4, K=256, V=256, M=64)}
+
+
+def kernel_ms(step: Callable[[], None], iters: int) -> dict[str, float]:
+    """GPU ms per call of `step`, by kernel name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            out[event.name] = out.get(event.name, 0.0) + (event.time_range.end - event.time_range.start) / 1e3 / iters
+    return out
+
+
+def _with_kwargs(fn: Callable, **kwargs) -> Callable:
+    def call(*args, **kw):
+        return fn(*args, **{**kw, **kwargs})
+    return call
+
+
+def variants(op: str) -> dict[str, tuple[object, str, object]]:
+    """{label: (module, attribute, value)}: one launch setting each (a sub-chunk or warp count as a
+    keyword argument of the function the op calls, or a module constant set to another value)."""
+    from flame.ops.common.chunk_triton import grads, output, state
+    from flame.ops.gsa import chunk_triton as gsa
+    from flame.ops.rwkv6 import chunk_triton as rwkv6
+
+    family = {"chunk_rwkv6": rwkv6, "chunk_gsa": gsa}[op]
+    out: dict[str, tuple[object, str, object]] = {}
+    for sub in (8, 16, 32):
+        out[f"dq/dk/dg sub-chunk {sub}"] = (family, "chunk_dqkg_from_dA",
+                                            _with_kwargs(family.chunk_dqkg_from_dA, sub_chunk=sub))
+        out[f"intra sub-chunk {sub}"] = (family, "chunk_intra_fwd", _with_kwargs(family.chunk_intra_fwd, sub_chunk=sub))
+    for warps in (2, 4, 8):
+        out[f"dq/dk/dg warps {warps}"] = (family, "chunk_dqkg_from_dA",
+                                          _with_kwargs(family.chunk_dqkg_from_dA, num_warps=warps))
+    for module, name, values in ((grads, "DV_WARPS", (2, 8)), (state, "WALK_WARPS", (2, 8)),
+                                 (state, "WALK_STAGES", (1, 2, 4)), (state, "WALK_BLOCK", (32, 128)),
+                                 (output, "OUTPUT_WARPS", (2, 8))):
+        for value in values:
+            out[f"{name} {value}"] = (module, name, value)
+    if op == "chunk_gsa":
+        for name, values in (("_SLOT_WARPS", (2, 8)), ("_SLOT_STAGES", (2, 3))):
+            for value in values:
+                out[f"{name} {value}"] = (gsa, name, value)
+    return out
+
+
+def sweep(op: str, iters: int) -> dict[str, dict[str, float]]:
+    """{variant: {kernel: ms per call}} for `op`, "shipped" first."""
+    import torch
+
+    from bench.ops import REGISTRY
+
+    bench_op = REGISTRY[op]
+    inputs = bench_op.make_inputs(torch.bfloat16, "cuda", **SHAPES[op])
+    leaves = [t for t in inputs.values() if getattr(t, "requires_grad", False)]
+    grad_out = torch.randn_like(bench_op.flame(inputs))
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        bench_op.flame(inputs).backward(grad_out)
+
+    results = {"shipped": kernel_ms(step, iters)}
+    for label, (module, name, value) in variants(op).items():
+        shipped = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            results[label] = kernel_ms(step, iters)
+        finally:
+            setattr(module, name, shipped)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", default=",".join(SHAPES), help=f"comma-separated, of {sorted(SHAPES)}")
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--out", help="write {op: {variant: {kernel: ms}}} as JSON here")
+    args = parser.parse_args()
+    ops = [op for op in args.ops.split(",") if op]
+    unknown = sorted(set(ops) - set(SHAPES))
+    if unknown:
+        parser.error(f"--ops: unknown {unknown}; choose from {sorted(SHAPES)}")
+    require_cuda("bench.launch_settings")
+    report = {}
+    for op in ops:
+        report[op] = sweep(op, args.iters)
+        shipped = sum(report[op]["shipped"].values())
+        for label, kernels in report[op].items():
+            top = ", ".join(f"{name[:24]} {ms * 1e3:.0f}" for name, ms in
+                            sorted(kernels.items(), key=lambda kv: -kv[1])[:5])
+            print(f"{op} {label}: {sum(kernels.values()) * 1e3:.0f} us ({sum(kernels.values()) / shipped:.2f}) | {top}",
+                  flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

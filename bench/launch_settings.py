@@ -1,6 +1,7 @@
 """Launch settings of flame's chunk kernels, one at a time around the shipped ones, by GPU kernel time.
 
     python -m bench.launch_settings --ops chunk_rwkv6,chunk_gsa --out launch.json
+    python -m bench.launch_settings --ops chunk_rwkv7_cached --only stages    # a subset of the variants
 
 Each variant changes one launch setting (a sub-chunk, a warp count, a pipeline depth or a block width
 that the kernels' modules expose as constants or keyword arguments) and times the op's forward and
@@ -20,7 +21,8 @@ from collections.abc import Callable
 from bench.timing import require_cuda
 
 SHAPES = {"chunk_rwkv6": dict(B=8, T=2048, H=16, K=64, V=64),
-          "chunk_gsa": dict(B=8, T=2048, H=4, K=256, V=256, M=64)}
+          "chunk_gsa": dict(B=8, T=2048, H=4, K=256, V=256, M=64),
+          "chunk_rwkv7_cached": dict(B=8, T=2048, H=16, K=64, V=64)}
 
 
 def kernel_ms(step: Callable[[], None], iters: int) -> dict[str, float]:
@@ -48,12 +50,47 @@ def _with_kwargs(fn: Callable, **kwargs) -> Callable:
     return call
 
 
+def _plan_with(**settings) -> Callable:
+    """ChunkPlan.__init__ (RWKV7's launch plan) followed by `settings` on the plan (a scan V block
+    BV also sets the scans' block count NV)."""
+    import triton
+
+    from flame.ops.rwkv7.chunk_plan import ChunkPlan
+
+    init = ChunkPlan.__init__
+
+    def plan_init(plan, *args, **kwargs):
+        init(plan, *args, **kwargs)
+        for name, value in settings.items():
+            setattr(plan, name, value)
+        plan.NV = triton.cdiv(plan.V, plan.BV)
+    return plan_init
+
+
+def _rwkv7_variants() -> dict[str, tuple[object, str, object]]:
+    """RWKV7's chunk kernels: the plan's register cap of `prepare`, pipeline stages of `_bwd_maps`
+    and the scans, the V blocks of the backward's reductions and of the scans, the scans' warps."""
+    from flame.ops.rwkv7 import chunk_plan, chunk_scan_triton
+
+    out: dict[str, tuple[object, str, object]] = {}
+    for name, values in (("maxnreg", (None, 128, 232)), ("stages_maps", (1, 2, 4)), ("scan_stages", (1, 3)),
+                         ("BV_bwd", (16, 64)), ("BV", (16, 64))):
+        for value in values:
+            out[f"plan.{name} {value}"] = (chunk_plan.ChunkPlan, "__init__", _plan_with(**{name: value}))
+    for warps in (2, 8):
+        out[f"WARPS_SCAN {warps}"] = (chunk_scan_triton, "WARPS_SCAN", warps)
+    return out
+
+
 def variants(op: str) -> dict[str, tuple[object, str, object]]:
     """{label: (module, attribute, value)}: one launch setting each (a sub-chunk or warp count as a
     keyword argument of the function the op calls, or a module constant set to another value)."""
     from flame.ops.common.chunk_triton import grads, output, state
     from flame.ops.gsa import chunk_triton as gsa
     from flame.ops.rwkv6 import chunk_triton as rwkv6
+
+    if op == "chunk_rwkv7_cached":
+        return _rwkv7_variants()
 
     family = {"chunk_rwkv6": rwkv6, "chunk_gsa": gsa}[op]
     out: dict[str, tuple[object, str, object]] = {}
@@ -76,8 +113,10 @@ def variants(op: str) -> dict[str, tuple[object, str, object]]:
     return out
 
 
-def sweep(op: str, iters: int) -> dict[str, dict[str, float]]:
-    """{variant: {kernel: ms per call}} for `op`, "shipped" first."""
+def sweep(op: str, iters: int, only: str = "") -> dict[str, dict]:
+    """{variant: {"kernels": {kernel: ms per call}, "grad_diff": the largest relative difference of
+    an input gradient from the shipped settings' (a setting that breaks a kernel shows here)}} for
+    `op`, "shipped" first."""
     import torch
 
     from bench.ops import REGISTRY
@@ -92,12 +131,20 @@ def sweep(op: str, iters: int) -> dict[str, dict[str, float]]:
             t.grad = None
         bench_op.flame(inputs).backward(grad_out)
 
-    results = {"shipped": kernel_ms(step, iters)}
+    def grads():
+        step()
+        return [t.grad.float().clone() for t in leaves]
+
+    shipped_grads = grads()
+    results = {"shipped": {"kernels": kernel_ms(step, iters), "grad_diff": 0.0}}
     for label, (module, name, value) in variants(op).items():
+        if only not in label:
+            continue
         shipped = getattr(module, name)
         setattr(module, name, value)
         try:
-            results[label] = kernel_ms(step, iters)
+            diff = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads(), shipped_grads))
+            results[label] = {"kernels": kernel_ms(step, iters), "grad_diff": diff}
         finally:
             setattr(module, name, shipped)
     return results
@@ -107,7 +154,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", default=",".join(SHAPES), help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--out", help="write {op: {variant: {kernel: ms}}} as JSON here")
+    parser.add_argument("--only", default="", help="the variants whose label contains this text (and the shipped)")
+    parser.add_argument("--out", help="write {op: {variant: {kernels: {kernel: ms}, grad_diff}}} as JSON here")
     args = parser.parse_args()
     ops = [op for op in args.ops.split(",") if op]
     unknown = sorted(set(ops) - set(SHAPES))
@@ -116,13 +164,14 @@ def main() -> int:
     require_cuda("bench.launch_settings")
     report = {}
     for op in ops:
-        report[op] = sweep(op, args.iters)
-        shipped = sum(report[op]["shipped"].values())
-        for label, kernels in report[op].items():
+        report[op] = sweep(op, args.iters, args.only)
+        shipped = sum(report[op]["shipped"]["kernels"].values())
+        for label, found in report[op].items():
+            kernels = found["kernels"]
             top = ", ".join(f"{name[:24]} {ms * 1e3:.0f}" for name, ms in
                             sorted(kernels.items(), key=lambda kv: -kv[1])[:5])
-            print(f"{op} {label}: {sum(kernels.values()) * 1e3:.0f} us ({sum(kernels.values()) / shipped:.2f}) | {top}",
-                  flush=True)
+            print(f"{op} {label}: {sum(kernels.values()) * 1e3:.0f} us ({sum(kernels.values()) / shipped:.2f}), "
+                  f"gradients {found['grad_diff']:.1e} from shipped | {top}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

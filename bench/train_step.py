@@ -19,7 +19,9 @@ Per family and library it reports:
 - tokens/s: the median over the timed steps after the warm-up, from the wall time between two steps'
   results (the loop reads each step's numbers, a device sync, once the next step is queued); the
   first step's time (compile, autotune) separately;
-- peak memory: `torch.cuda.max_memory_allocated` over the run;
+- peak memory: `torch.cuda.max_memory_allocated` over the run, and in brackets
+  `torch.cuda.max_memory_reserved` (what the caching allocator took from the GPU: CUDA-graph pools and
+  freed blocks included, what must fit);
 - GPU ms per step by kind (matmul, attention kernels, loss, optimizer, other kernels) from a
   torch.profiler trace of `--profile-steps` steps, and the host-bound time: wall time per profiled
   step minus the time the GPU was busy (the union of kernel intervals);
@@ -180,6 +182,7 @@ def run_child(family: str, size: str, lib: str, steps: int, warmup: int, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = sum(step() for _ in range(profile_steps))
         peak = torch.cuda.max_memory_allocated() / 2**30
+        peak_reserved = torch.cuda.max_memory_reserved() / 2**30
         if trace:
             Path(trace).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(trace) / f"{family}_{lib}.json"))
@@ -197,6 +200,7 @@ def run_child(family: str, size: str, lib: str, steps: int, warmup: int, profile
             "tokens_per_s_all": [tokens_per_step / t for t in timed],
             "first_step_s": first_step_s,
             "peak_gib": peak,
+            "peak_reserved_gib": peak_reserved,
             **kernels,
             "wall_ms_per_step": step_ms,
             "wall_ms_per_profiled_step": wall * 1e3 / profile_steps,
@@ -276,7 +280,7 @@ def main() -> int:
             print(json.dumps(result), flush=True)
 
     print()
-    print("| model | lib | compile | tokens/s | peak GiB | first step s | GPU ms/step: "
+    print("| model | lib | compile | tokens/s | peak GiB (reserved) | first step s | GPU ms/step: "
           + " / ".join(KINDS) + " | busy | host-bound |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -285,7 +289,8 @@ def main() -> int:
             continue
         kinds = " / ".join(f"{r['gpu_ms_per_step'][k]:.1f}" for k in KINDS)
         print(f"| {r['family']}_{r['size']} | {r['lib']} | {r['compile']} | {r['tokens_per_s'] / 1e3:.1f}K | "
-              f"{r['peak_gib']:.1f} | {r['first_step_s']:.1f} | {kinds} | {r['gpu_busy_ms_per_step']:.1f} | "
+              f"{r['peak_gib']:.1f} ({r['peak_reserved_gib']:.1f}) | {r['first_step_s']:.1f} | {kinds} | "
+              f"{r['gpu_busy_ms_per_step']:.1f} | "
               f"{r['host_bound_ms_per_step']:.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -71,7 +71,8 @@ def progress_line(record: dict) -> str:
     if "mfu" in record:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
     if "memory_gib" in record:
-        parts.append(f"mem {record['memory_gib']:.1f}GiB")
+        reserved = f" (reserved {record['memory_reserved_gib']:.1f})" if "memory_reserved_gib" in record else ""
+        parts.append(f"mem {record['memory_gib']:.1f}GiB{reserved}")
     if record.get("nan_skips"):
         parts.append(f"nan-skips {record['nan_skips']}")
     parts.append(f"eta {format_duration(record.get('eta_s', float('nan')))}")
@@ -136,7 +137,10 @@ class StepLog:
         if result.skipped:
             record["skipped"] = True
         if self.device.type == "cuda":
+            # the peak of the tensors allocated, and of what the caching allocator holds from the
+            # GPU: CUDA-graph memory pools and freed blocks count there, and it is what must fit
             record["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            record["memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         self.metrics.log(record)
 
 

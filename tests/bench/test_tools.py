@@ -159,7 +159,7 @@ def test_rwkvlm_train_refuses_to_profile_every_step(tmp_path):
         train(None, "unused.pth", tmp_path, 5, kernel="@rwkv3", jit=True, profile_steps=5)
 
 
-@pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa"])
+@pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached"])
 def test_launch_settings_vary_settings_the_kernels_read(op):
     """Every variant replaces a module attribute that exists and holds a value of the kind it
     sets (a constant of the same type, or the function the op calls), so that a renamed constant
@@ -167,9 +167,31 @@ def test_launch_settings_vary_settings_the_kernels_read(op):
     from bench import launch_settings
     from bench.ops import REGISTRY
 
-    assert op in REGISTRY and set(launch_settings.SHAPES) == {"chunk_rwkv6", "chunk_gsa"}
+    assert op in REGISTRY and set(launch_settings.SHAPES) == {"chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached"}
     found = launch_settings.variants(op)
-    assert len(found) >= 15
+    assert len(found) >= 13
     for label, (module, name, value) in found.items():
         shipped = getattr(module, name)
         assert callable(value) if callable(shipped) else type(value) is type(shipped) and value != shipped, label
+
+
+def test_launch_settings_set_rwkv7_plan_attributes_the_plan_has():
+    """An RWKV7 plan variant sets an attribute that ChunkPlan itself sets (a renamed one fails)."""
+    import torch
+
+    from bench import launch_settings
+    from flame.ops.rwkv7.chunk_plan import ChunkPlan
+
+    def settings(plan):
+        return {k: v for k, v in vars(plan).items() if not isinstance(v, torch.Tensor)}
+
+    r = v = torch.zeros(8, 64, 16, 64)  # the 340M layer's heads: scan V blocks of 32
+    shipped = settings(ChunkPlan(r, v, None, -0.6))
+    for label, (cls, _, init) in launch_settings.variants("chunk_rwkv7_cached").items():
+        name = label.split()[0].removeprefix("plan.")
+        if cls is ChunkPlan:
+            plan = ChunkPlan.__new__(ChunkPlan)
+            init(plan, r, v, None, -0.6)
+            changed = {k for k in shipped if settings(plan)[k] != shipped[k]}
+            assert set(settings(plan)) == set(shipped) and changed == ({name, "NV"} if name == "BV" else {name}), \
+                (label, changed)

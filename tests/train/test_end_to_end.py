@@ -91,3 +91,13 @@ def test_console_logging_follows_a_replaced_stdout(capsys):
         flame_logger.handlers[:] = saved
     out = capsys.readouterr()
     assert "logged after the first stream closed" in out.out and "Logging error" not in out.err
+
+
+def test_the_progress_line_names_the_reserved_memory_beside_the_allocated():
+    from flame.train.metrics import progress_line
+
+    record = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1e5, "tokens": 4096,
+              "eta_s": 10.0, "memory_gib": 42.1, "memory_reserved_gib": 53.54}
+    assert "| mem 42.1GiB (reserved 53.5) |" in progress_line(record)
+    del record["memory_reserved_gib"], record["memory_gib"]
+    assert "mem" not in progress_line(record)

@@ -1,8 +1,9 @@
 """Sharded, resumable checkpoints with torch.distributed.checkpoint (DCP): save, load, prune.
 
 Layout (flame.weights.layout): `<dump_folder>/<checkpoint.folder>/step-N/` holds DCP's files
-(`.metadata` and `__<rank>_<i>.distcp`, one file per I/O thread of each rank), the run's `config.toml` (the config this checkpoint was trained with, which export, generate and eval
-read) and `COMPLETE`, a marker that rank 0 writes only after every rank's shards and DCP's metadata
+(`.metadata` and `__<rank>_<i>.distcp`, one file per I/O thread of each rank), the run's
+`config.toml` (the config this checkpoint was trained with, which export, generate and eval read) and
+`COMPLETE`, a marker that rank 0 writes only after every rank's shards and DCP's metadata
 are on disk. A folder without the marker (a run killed mid-save) is ignored when resuming and removed
 when that step is saved again; a save that fails (disk full, unwritable) removes its folder itself
 and leaves the older checkpoints as they were (keep_latest_k prunes only after a save that
@@ -26,11 +27,11 @@ each file read whole by DCP's own FileSystemReader): one stream per rank is far 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
 import shutil
-import dataclasses
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -334,7 +335,8 @@ class CheckpointManager:
         start = time.monotonic()
         logger.info("checkpoint: loading %s (%s) ...", path, ", ".join(sorted(state)))
         try:
-            dcp.load(state, checkpoint_id=str(path), storage_reader=ParallelFileReader(path, self.cfg.io_threads))
+            dcp.load(state, checkpoint_id=str(path),
+                     storage_reader=ParallelFileReader(path, self.cfg.io_threads))
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             cause = err
             if isinstance(err, CheckpointException) and err.failures:  # per-rank (exc, trace)

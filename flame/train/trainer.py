@@ -2,9 +2,10 @@
 
 `Trainer(cfg).train()` reads like the story of a run: set up the processes, build tokenizer, data,
 the checkpointer, the model (initialised unless a checkpoint of the run replaces its weights), the
-step (gradient buffers, optimizer, LR schedule), resume if there is something to resume, then step. One optimizer step = `gradient_accumulation_steps` micro-batches on
-each data-parallel rank; its objective is the token-mean cross-entropy over every valid token of
-the step, on all ranks (`flame.train.loss`).
+step (gradient buffers, optimizer, LR schedule), resume if there is something to resume, then step.
+One optimizer step = `gradient_accumulation_steps` micro-batches on each data-parallel rank; its
+objective is the token-mean cross-entropy over every valid token of the step, on all ranks
+(`flame.train.loss`).
 
 Each concern has a module of its own, met here at a few marked places: queuing and reading a step
 (`flame.train.step_pipeline`), its gradients (`flame.train.accumulation`), non-finite steps

@@ -5,11 +5,12 @@
 
 Each variant changes one launch setting (a sub-chunk, a warp count, a pipeline depth or a block width
 that the kernels' modules expose as constants or keyword arguments) and times the op's forward and
-backward at the 340M layer shape, bf16: the GPU time of each kernel, summed over `--iters` calls
-under torch.profiler after two warm-up calls. Kernel time, not wall time: a fwd+bwd of a few ms
-through autograd is partly host-bound, and a wall-clock timer measures the host's load as much as
-the kernels (bench/RESULTS.md, kernels: "Chunk kernels' launch settings"). A setting is worth
-shipping only when the whole training step confirms it (`bench.train_step`).
+backward at the 340M layer shape, bf16: the GPU time of each kernel over `--iters` calls under
+torch.profiler after two warm-up calls (bench.timing's `profile_forward_backward` and
+`kernel_times`). Kernel time, not wall time: a fwd+bwd of a few ms through autograd is partly
+host-bound, and a wall-clock timer measures the host's load as much as the kernels
+(bench/RESULTS.md, kernels: "Chunk kernels' launch settings"). A setting is worth shipping only when
+the whole training step confirms it (`bench.train_step`).
 """
 
 from __future__ import annotations
@@ -18,30 +19,17 @@ import argparse
 import json
 from collections.abc import Callable
 
-from bench.timing import require_cuda
+from bench.timing import grad_leaves, kernel_times, profile_forward_backward, require_cuda
 
 SHAPES = {"chunk_rwkv6": dict(B=8, T=2048, H=16, K=64, V=64),
           "chunk_gsa": dict(B=8, T=2048, H=4, K=256, V=256, M=64),
           "chunk_rwkv7_cached": dict(B=8, T=2048, H=16, K=64, V=64)}
 
 
-def kernel_ms(step: Callable[[], None], iters: int) -> dict[str, float]:
-    """GPU ms per call of `step`, by kernel name."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            out[event.name] = out.get(event.name, 0.0) + (event.time_range.end - event.time_range.start) / 1e3 / iters
-    return out
+def kernel_ms(fn: Callable[[dict], object], inputs: dict, iters: int) -> dict[str, float]:
+    """GPU ms per forward+backward of `fn` on `inputs`, by kernel name (every kernel)."""
+    prof = profile_forward_backward(fn, inputs, iters, warmup=2)
+    return dict(kernel_times(prof, iters, set(), set(), floor_ms=0.0)["top_kernels_ms_per_step"])
 
 
 def _with_kwargs(fn: Callable, **kwargs) -> Callable:
@@ -123,20 +111,17 @@ def sweep(op: str, iters: int, only: str = "") -> dict[str, dict]:
 
     bench_op = REGISTRY[op]
     inputs = bench_op.make_inputs(torch.bfloat16, "cuda", **SHAPES[op])
-    leaves = [t for t in inputs.values() if getattr(t, "requires_grad", False)]
+    leaves = grad_leaves(inputs)
     grad_out = torch.randn_like(bench_op.flame(inputs))
 
-    def step():
+    def grads():
         for t in leaves:
             t.grad = None
         bench_op.flame(inputs).backward(grad_out)
-
-    def grads():
-        step()
         return [t.grad.float().clone() for t in leaves]
 
     shipped_grads = grads()
-    results = {"shipped": {"kernels": kernel_ms(step, iters), "grad_diff": 0.0}}
+    results = {"shipped": {"kernels": kernel_ms(bench_op.flame, inputs, iters), "grad_diff": 0.0}}
     for label, (module, name, value) in variants(op).items():
         if only not in label:
             continue
@@ -144,7 +129,7 @@ def sweep(op: str, iters: int, only: str = "") -> dict[str, dict]:
         setattr(module, name, value)
         try:
             diff = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads(), shipped_grads))
-            results[label] = {"kernels": kernel_ms(step, iters), "grad_diff": diff}
+            results[label] = {"kernels": kernel_ms(bench_op.flame, inputs, iters), "grad_diff": diff}
         finally:
             setattr(module, name, shipped)
     return results

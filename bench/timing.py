@@ -97,18 +97,26 @@ def forward_and_backward_ms(fn: Callable[[dict], object], inputs: dict) -> tuple
 
 
 def profile_forward_backward(fn: Callable[[dict], object], inputs: dict, n: int = 5, warmup: int = 3):
-    """The CUDA profile of n forward+backward passes of fn, after `warmup` untraced passes."""
+    """The CUDA profile of n forward+backward passes of fn, after `warmup` untraced passes; the
+    leaves' gradients are reset before each pass, so that no accumulation kernel is traced."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
         do = torch.randn_like(fn(inputs))
-    for _ in range(warmup):
+    leaves = grad_leaves(inputs)
+
+    def forward_backward():
+        for leaf in leaves:
+            leaf.grad = None
         torch.autograd.backward(fn(inputs), do)
+
+    for _ in range(warmup):
+        forward_backward()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
-            torch.autograd.backward(fn(inputs), do)
+            forward_backward()
         torch.cuda.synchronize()
     return prof
 

@@ -19,6 +19,7 @@ fault hooks (`flame.train.fault_injection`).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from flame.train import fault_injection
 from flame.ops.utils.checks import value_checks_off
 from flame.train.accumulation import GradientAccumulator
 from flame.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState,
+                                    OptimizerStateOnHost,
                                     write_run_config)
 from flame.train.compile_cache import CompileCache
 from flame.train.fault_injection import fault_point
@@ -158,6 +160,7 @@ class Trainer(Stateful):
 
         # 5. the resume when there is one, preemption, metrics
         self.state = TrainState(dp_world_size=self.parallel.dp_world_size)
+        self.optimizer_on_host: OptimizerStateOnHost | None = None
         self.resume(resume_step)
         self.stop_signals = StopSignals(training.stop_signals)
         self.boundary = StepBoundary(self.parallel, self.stop_signals, self.checkpointer,
@@ -258,6 +261,7 @@ class Trainer(Stateful):
         while self.steps_launched(pending) < last_step:
             micro_batches = self.next_micro_batches()
             gradients = self.pipeline.gradients(micro_batches)
+            self.optimizer_state_to_device()
             if pending is not None:
                 result = self.end_step(pending)  # waits for step N's two numbers only
                 yield result
@@ -308,7 +312,9 @@ class Trainer(Stateful):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over `micro_batches`, this rank's share of the global batch, read
         back and counted before it returns (no log, validation or checkpoint: `finish_step`)."""
-        return self.read_step(self.pipeline.launch(self.pipeline.gradients(micro_batches)))
+        gradients = self.pipeline.gradients(micro_batches)
+        self.optimizer_state_to_device()
+        return self.read_step(self.pipeline.launch(gradients))
 
     def read_step(self, step: LaunchedStep) -> StepResult:
         """Read a launched step's numbers (`StepPipeline.resolve`), count it (`TrainState.count`)
@@ -475,11 +481,20 @@ class Trainer(Stateful):
 
     def checkpoint_state(self, model_only: bool = False) -> dict[str, Any]:
         """The objects a checkpoint holds; DCP reads or fills them in place."""
+        self.optimizer_state_to_device()  # a save or a load finds the optimizer's own state
         state: dict[str, Any] = {"model": ModelState(self.model)}
         if not model_only:
             state["optimizer"] = OptimizerState(self.model, self.optimizer)
             state["trainer"] = self
         return state
+
+    def optimizer_state_to_device(self) -> None:
+        """Hand a resume's optimizer state, read on the host during the first step's forward and
+        backward (`OptimizerStateOnHost`), to the optimizer: before the first update, and before
+        anything else reads or replaces that state."""
+        if self.optimizer_on_host is not None:
+            self.optimizer_on_host.to_device()
+            self.optimizer_on_host = None
 
     def resume_step(self) -> int | None:
         """The step of this run's own checkpoint to resume from (the latest complete one, or
@@ -493,7 +508,7 @@ class Trainer(Stateful):
         at once, at the checkpoint's step, without a step of training, and report that as done."""
         ckpt = self.cfg.checkpoint
         if step is not None:
-            self.load_full_checkpoint(self.checkpointer.step_dir(step))
+            self.load_full_checkpoint(self.checkpointer.step_dir(step), optimizer_on_host=self.cuda_graphs)
         elif ckpt.initial_load_path:
             if is_foreign_weights(ckpt.initial_load_path):
                 if not ckpt.initial_load_model_only:
@@ -508,7 +523,7 @@ class Trainer(Stateful):
                 logger.info("model: weights loaded from %s (model only, a new run)",
                             ckpt.initial_load_path)
             else:
-                self.load_full_checkpoint(Path(ckpt.initial_load_path))
+                self.load_full_checkpoint(Path(ckpt.initial_load_path), optimizer_on_host=self.cuda_graphs)
         if self.state.step > self.cfg.training.steps:
             loaded = self.checkpointer.step_dir(step) if step is not None else ckpt.initial_load_path
             raise CheckpointError(
@@ -517,7 +532,10 @@ class Trainer(Stateful):
                 f"continue this run, or choose another job.dump_folder for a new one"
             )
 
-    def load_full_checkpoint(self, path: Path) -> None:
+    def load_full_checkpoint(self, path: Path, optimizer_on_host: bool = False) -> None:
+        """Load the model, the optimizer and the trainer's state from `path`. `optimizer_on_host`
+        (a resume under CUDA graphs, whose first step captures them): the optimizer's state waits
+        in host memory until that step's update, so that the capture peaks as a new run's does."""
         # read the run's data-parallel size first, so that a mismatch gets a clear refusal
         header = {"trainer": {"train_state": {"dp_world_size": 0}}}
         self.checkpointer.load(path, header)
@@ -530,6 +548,29 @@ class Trainer(Stateful):
                 f"checkpoint.initial_load_path = \"{path}\" and "
                 f"checkpoint.initial_load_model_only = true."
             )
-        self.checkpointer.load(path, self.checkpoint_state())
-        logger.info("resumed from %s: step %d, %d tokens seen", path, self.state.step,
-                    self.state.tokens)
+        state = self.checkpoint_state()
+        if optimizer_on_host:
+            optimizer_on_host = self.optimizer_fits_on_host()
+        if optimizer_on_host:
+            del state["optimizer"]
+        self.checkpointer.load(path, state)
+        if optimizer_on_host:
+            self.optimizer_on_host = OptimizerStateOnHost(self.model, self.optimizer)
+            self.optimizer_on_host.read_in_background(
+                lambda optimizer: self.checkpointer.load(path, optimizer, no_dist=True))
+        logger.info("resumed from %s: step %d, %d tokens seen%s", path, self.state.step, self.state.tokens,
+                    "; the optimizer's state is read into host memory, for the first update"
+                    if optimizer_on_host else "")
+
+    def optimizer_fits_on_host(self) -> bool:
+        """Whether this node's host memory holds the optimizer's state of its ranks with half of
+        it to spare (`OptimizerStateOnHost`); if not, a resume loads that state on the device."""
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        needed = ranks * OptimizerStateOnHost.host_bytes(self.model)
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if 2 * needed <= available:
+            return True
+        logger.info("checkpoint: the optimizer's state of %d rank(s) (%.1f GiB) would take more than half "
+                    "of the host's available memory (%.1f GiB): it is loaded on the device", ranks,
+                    needed / 2**30, available / 2**30)
+        return False

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from flame.train.checkpoint import CheckpointManager
 from flame.train.trainer import Trainer
 from flame.weights import WeightsError
 from tests.train.helpers import params, tiny_config
@@ -127,3 +128,77 @@ def test_a_resume_reads_a_threaded_save_and_skips_the_initialisation(straight_an
         assert torch.equal(value, params(resumed.model)[name]), name
     Trainer(run_config(tmp_path / "new"))  # a new run initialises
     assert len(calls) == 1
+
+
+def test_an_optimizer_state_held_on_the_host_reaches_the_first_update(straight_and_resumed, tmp_path,
+                                                                       monkeypatch):
+    """A resume under CUDA graphs reads the optimizer's state into host memory and hands it to the
+    optimizer before the first update (OptimizerStateOnHost): forced here on the CPU, the run
+    continues bitwise as the straight one, moments included."""
+    root, straight, *_ = straight_and_resumed
+    dump = copy_of_straight_run(straight_and_resumed, tmp_path / "copy")
+    shutil.rmtree(dump / "checkpoint" / "step-8")
+    load = Trainer.load_full_checkpoint
+    monkeypatch.setattr(Trainer, "load_full_checkpoint",
+                        lambda self, path, optimizer_on_host=False: load(self, path, optimizer_on_host=True))
+    resumed = Trainer(run_config(dump))
+    assert resumed.state.step == 4 and resumed.optimizer_on_host is not None
+    assert not resumed.optimizer.state  # nothing of it on the optimizer's device yet
+    resumed.train()
+    assert resumed.optimizer_on_host is None
+    assert losses(dump)[8] == losses(root / "straight")[8]
+    for name, value in params(straight.model).items():
+        assert torch.equal(value, params(resumed.model)[name]), name
+    for mine, theirs in zip(resumed.optimizer.state.values(), straight.optimizer.state.values()):
+        assert torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"])
+
+    # a read that fails in its thread stops the run at the first update, with the loader's error
+    shutil.rmtree(dump / "checkpoint" / "step-8")
+    read = CheckpointManager.load
+
+    def failing_read(self, path, state, no_dist=False):
+        if no_dist:
+            raise WeightsError(f"checkpoint {path} could not be loaded: a test's failure")
+        read(self, path, state, no_dist)
+
+    monkeypatch.setattr(CheckpointManager, "load", failing_read)
+    broken = Trainer(run_config(dump))
+    with pytest.raises(WeightsError, match="a test's failure"):
+        broken.train()
+    assert broken.state.step == 4
+
+
+@pytest.mark.gpu
+def test_a_resume_under_cuda_graphs_peaks_no_higher_than_a_new_run(tmp_path):
+    """A new run of two steps saves at step 2; a new process resumes it for a third. Its first
+    step captures the CUDA graphs with AdamW's moments still on the host (OptimizerStateOnHost),
+    so that its peak of allocated memory is the new run's, not the moments' 8 bytes per
+    parameter above it."""
+    from flame.config import to_toml
+    from tests.train.faults import run
+
+    cfg = tiny_config(tmp_path / "run",
+                      model={"family": "rwkv7", "hidden_size": 512, "num_layers": 4, "head_dim": 64,
+                             "backend": "auto"},
+                      training={"device": "cuda", "compile": True, "batch_size": 4, "seq_len": 2048,
+                                "gradient_accumulation_steps": 2, "steps": 2},
+                      checkpoint={"enable": True, "interval": 2, "keep_latest_k": 0},
+                      optimizer={"implementation": "fused"})
+    config = tmp_path / "run.toml"
+    config.write_text(to_toml(cfg))
+    new = run(config, tmp_path / "run", timeout=600)
+    assert new.returncode == 0, new.output[-3000:]
+    resumed = run(config, tmp_path / "run", "--training.steps", "3", timeout=600)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "read into host memory" in resumed.output
+    records = {r["step"]: r for r in (json.loads(line) for line in
+                                      (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+               if "memory_gib" in r}
+    with torch.device("meta"):
+        from flame.models import build_model
+
+        moments_gib = 8 * sum(p.numel() for p in build_model(cfg.model).parameters()) / 2**30
+    # each record holds its process's peak so far: the new run's over steps 1-2, the resume's
+    # over its load and step 3
+    excess = records[3]["memory_gib"] - records[2]["memory_gib"]
+    assert excess < 0.25 * moments_gib, (records[2]["memory_gib"], records[3]["memory_gib"], moments_gib)

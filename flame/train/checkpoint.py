@@ -36,7 +36,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,57 +107,47 @@ class OptimizerState(Stateful):
 
 
 class OptimizerStateOnHost(OptimizerState):
-    """An optimizer state read into host memory, in a background thread, and handed to the
-    optimizer by `to_device`; for a model that FSDP does not shard (every rank holds the whole
-    state, so each rank reads its own without collectives).
+    """An optimizer state that a load reads into host memory and `to_device` hands to the
+    optimizer later, for a model that FSDP does not shard.
 
     A resumed run's first step captures its compiled blocks as CUDA graphs, whose memory pool
     peaks in that step's backward. A new run allocates AdamW's moments (2 x 4 bytes per
     parameter) in the update after that peak; holding a resumed run's moments on the host until
-    then makes its first step peak no higher than a new run's, and the read overlaps that step's
-    compilation and capture. The bytes cross to the device once either way: DCP copies a
-    checkpoint's tensors from host memory."""
+    then makes its first step peak no higher than a new run's. The bytes cross to the device
+    once either way: DCP copies a checkpoint's tensors from host memory. (Read in a background
+    thread during the first step instead, the read holds Python's lock often enough to slow that
+    step by more than it saves.)"""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         super().__init__(model, optimizer)
-        on_device = super().state_dict()  # DCP initialises the state, on the device: its layout
-        self.on_host = tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"),
-                                     on_device)
+        self.loaded: dict[str, Any] | None = None
+
+    @staticmethod
+    def host_bytes(model: torch.nn.Module) -> int:
+        """AdamW's two fp32 moments of `model`'s trainable parameters: the host memory they take."""
+        return sum(8 * p.numel() for p in model.parameters() if p.requires_grad)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The layout of the optimizer's state (DCP initialises it on the device) as host tensors
+        for DCP to fill; the device's state is freed."""
+        on_device = super().state_dict()
+        on_host = tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"),
+                                on_device)
         self.optimizer.state.clear()
         del on_device
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # give the freed moments back for the graphs' memory pool
-        self.loaded: dict[str, Any] | None = None
-        self.reading: Future | None = None
-
-    @staticmethod
-    def host_bytes(model: torch.nn.Module) -> int:
-        """AdamW's two fp32 moments of `model`'s trainable parameters: the host memory it takes."""
-        return sum(8 * p.numel() for p in model.parameters() if p.requires_grad)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.on_host
+        return on_host
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loaded = state_dict
 
-    def read_in_background(self, load: Callable[[dict[str, Any]], None]) -> None:
-        """Run `load({"optimizer": self})` (a checkpoint load without collectives) in a thread;
-        `to_device` waits for it."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-state")
-        self.reading = pool.submit(load, {"optimizer": self})
-        pool.shutdown(wait=False)
-
     def to_device(self) -> None:
-        """Wait for the read (its error, a WeightsError, is raised here) and give the optimizer
-        the state on its parameters' device. Gradients may be present: DCP initialises no state
-        over them."""
-        if self.reading is not None:
-            reading, self.reading = self.reading, None
-            reading.result()
+        """Give the optimizer the loaded state, on its parameters' device. Gradients may be
+        present: DCP initialises no state over them."""
         if self.loaded is not None:
             super().load_state_dict(self.loaded)
-            self.loaded = self.on_host = None
+            self.loaded = None
 
 
 class ParallelFileReader(FileSystemReader):
@@ -382,16 +372,15 @@ class CheckpointManager:
         steps = self.complete_steps()
         return steps[-1] if steps else None
 
-    def load(self, path: str | Path, state: dict[str, Any], no_dist: bool = False) -> None:
+    def load(self, path: str | Path, state: dict[str, Any]) -> None:
         """Load `state` in place from the checkpoint folder `path`; WeightsError when it cannot be
-        read (missing, incomplete, corrupt, of another model or run). `no_dist`: this rank plans
-        its read alone (no collectives), for state that every rank holds whole."""
+        read (missing, incomplete, corrupt, of another model or run)."""
         path = Path(path)
         check_readable(path)
         start = time.monotonic()
         logger.info("checkpoint: loading %s (%s) ...", path, ", ".join(sorted(state)))
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=no_dist,
+            dcp.load(state, checkpoint_id=str(path),
                      storage_reader=ParallelFileReader(path, self.cfg.io_threads))
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             cause = err

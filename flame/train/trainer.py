@@ -489,7 +489,7 @@ class Trainer(Stateful):
         return state
 
     def optimizer_state_to_device(self) -> None:
-        """Hand a resume's optimizer state, read on the host during the first step's forward and
+        """Hand a resume's optimizer state, held on the host through the first step's forward and
         backward (`OptimizerStateOnHost`), to the optimizer: before the first update, and before
         anything else reads or replaces that state."""
         if self.optimizer_on_host is not None:
@@ -549,18 +549,12 @@ class Trainer(Stateful):
                 f"checkpoint.initial_load_model_only = true."
             )
         state = self.checkpoint_state()
-        if optimizer_on_host:
-            optimizer_on_host = self.optimizer_fits_on_host()
-        if optimizer_on_host:
-            del state["optimizer"]
+        if optimizer_on_host and self.optimizer_fits_on_host():
+            self.optimizer_on_host = state["optimizer"] = OptimizerStateOnHost(self.model, self.optimizer)
         self.checkpointer.load(path, state)
-        if optimizer_on_host:
-            self.optimizer_on_host = OptimizerStateOnHost(self.model, self.optimizer)
-            self.optimizer_on_host.read_in_background(
-                lambda optimizer: self.checkpointer.load(path, optimizer, no_dist=True))
         logger.info("resumed from %s: step %d, %d tokens seen%s", path, self.state.step, self.state.tokens,
-                    "; the optimizer's state is read into host memory, for the first update"
-                    if optimizer_on_host else "")
+                    "; the optimizer's state waits in host memory for the first update"
+                    if self.optimizer_on_host is not None else "")
 
     def optimizer_fits_on_host(self) -> bool:
         """Whether this node's host memory holds the optimizer's state of its ranks with half of

@@ -6,7 +6,6 @@ import shutil
 import pytest
 import torch
 
-from flame.train.checkpoint import CheckpointManager
 from flame.train.trainer import Trainer
 from flame.weights import WeightsError
 from tests.train.helpers import params, tiny_config
@@ -152,21 +151,6 @@ def test_an_optimizer_state_held_on_the_host_reaches_the_first_update(straight_a
     for mine, theirs in zip(resumed.optimizer.state.values(), straight.optimizer.state.values()):
         assert torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"])
 
-    # a read that fails in its thread stops the run at the first update, with the loader's error
-    shutil.rmtree(dump / "checkpoint" / "step-8")
-    read = CheckpointManager.load
-
-    def failing_read(self, path, state, no_dist=False):
-        if no_dist:
-            raise WeightsError(f"checkpoint {path} could not be loaded: a test's failure")
-        read(self, path, state, no_dist)
-
-    monkeypatch.setattr(CheckpointManager, "load", failing_read)
-    broken = Trainer(run_config(dump))
-    with pytest.raises(WeightsError, match="a test's failure"):
-        broken.train()
-    assert broken.state.step == 4
-
 
 @pytest.mark.gpu
 def test_a_resume_under_cuda_graphs_peaks_no_higher_than_a_new_run(tmp_path):
@@ -190,7 +174,7 @@ def test_a_resume_under_cuda_graphs_peaks_no_higher_than_a_new_run(tmp_path):
     assert new.returncode == 0, new.output[-3000:]
     resumed = run(config, tmp_path / "run", "--training.steps", "3", timeout=600)
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert "read into host memory" in resumed.output
+    assert "waits in host memory" in resumed.output
     records = {r["step"]: r for r in (json.loads(line) for line in
                                       (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
                if "memory_gib" in r}

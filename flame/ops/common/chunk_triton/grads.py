@@ -138,10 +138,8 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
         qs = qq * tl.exp2(tl.where(((rows >= (s + 1) * BC) & m_t)[:, None], gq - gm[None, :], float("-inf")))
         dk_ += mm_tf32(tl.trans(dAw), qs, DT) * tl.exp2(
             tl.where(((blk == s) & m_t)[:, None], gm[None, :] - gk, float("-inf")))
-    # diagonal sub-blocks, key by key, in the [NB, BC, BK] view (NB = BT // BC sub-chunks): key
-    # column c of every sub-chunk at once against the query rows at or after it (the dA entries
-    # gathered from memory). Each pair's weight dA * exp2(gq - gk) serves both gradients: dq's rows
-    # take it times the key, the key's dk row takes its sum over the queries times theirs.
+    # diagonal sub-blocks, pair by pair, in the [NB, BC, BK] view (NB = BT // BC sub-chunks): column
+    # c of every sub-chunk at once, NB rows loaded per c; the dA entries are gathered from memory
     NB: tl.constexpr = BT // BC
     nb = tl.arange(0, NB)
     ic = tl.arange(0, BC)
@@ -150,23 +148,30 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
     dq3 = tl.reshape(dq_, [NB, BC, BK])
     dk3 = tl.reshape(dk_, [NB, BC, BK])
     gq3 = load_query_gate3(gc, t0, r3, m3, i_h, ck, m_k, H, K, EXCLUSIVE)
-    q3 = load_rows3(q, t0, r3, m3, i_h, ck, m_k, H, K)
+    gk3 = load_rows3(gc, t0, r3, m3, i_h, ck, m_k, H, K)
     a_row3 = ((t0 + r3) * H + i_h) * BT
     for c in range(0, BC):
-        j = nb * BC + c                                    # [NB]: key row c of each sub-chunk
+        j = nb * BC + c                                    # [NB]: row c of each sub-chunk
         m_c = j < Tc
         if EXCLUSIVE:
-            m_j = (c < ic)[None, :] & m3                   # query row (s, i) after key j
+            m_j = (c < ic)[None, :] & m3                   # key j before query row (s, i)
+            m_i = (c > ic)[None, :] & m_c[:, None]         # query j after key row (s, i)
         else:
             m_j = (c <= ic)[None, :] & m3
+            m_i = (c >= ic)[None, :] & m_c[:, None]
         kj = load_rows(k, t0, j, m_c, i_h, ck, m_k, H, K)
         gj = load_rows(gc, t0, j, m_c, i_h, ck, m_k, H, K)
         dA_qj = tl.load(dA + a_row3 + j[:, None], mask=m_j, other=0.0)                        # dA[(s,i), j]
-        w = dA_qj[:, :, None] * tl.exp2(tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf")))
-        dq3 += w * kj[:, None, :]
-        dk3 += tl.where((ic == c)[None, :, None], tl.sum(w * q3, axis=1)[:, None, :], 0.0)
+        dq3 += dA_qj[:, :, None] * kj[:, None, :] * tl.exp2(
+            tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf")))
+        qj = load_rows(q, t0, j, m_c, i_h, ck, m_k, H, K)
+        gqj = load_query_gate(gc, t0, j, m_c, i_h, ck, m_k, H, K, EXCLUSIVE)
+        dA_jk = tl.load(dA + (((t0 + j) * H + i_h) * BT)[:, None] + r3, mask=m_i, other=0.0)  # dA[j, (s,i)]
+        dk3 += dA_jk[:, :, None] * qj[:, None, :] * tl.exp2(
+            tl.where(m_i[:, :, None], gqj[:, None, :] - gk3, float("-inf")))
 
     # dg by identity I2: reverse cumsum over the chunk's rows, in the [NB, BC, BK] view
+    q3 = load_rows3(q, t0, r3, m3, i_h, ck, m_k, H, K)
     k3 = load_rows3(k, t0, r3, m3, i_h, ck, m_k, H, K)
     P = q3 * dq3
     X = P - k3 * dk3

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import sys
 
+from flame.train.bytecode import use_a_bytecode_cache
+
 
 def main(argv: list[str] | None = None) -> int:
+    use_a_bytecode_cache()  # before torch is imported (flame.train.bytecode)
     import torch.distributed as dist
 
     from flame.config import ConfigError, load_config

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -136,6 +137,8 @@ class Trainer(Stateful):
         # own, whose weights replace every parameter; the compiled code is cached where a restart
         # finds it. Every checkpoint holds the config it was trained with.
         self.compile_cache = CompileCache.setup(training, cfg.job.dump_folder, self.rank)
+        if sys.pycache_prefix is not None:  # flame.train.bytecode, or the user's PYTHONPYCACHEPREFIX
+            logger.info("python bytecode: kept in %s", sys.pycache_prefix)
         self.checkpointer = CheckpointManager(cfg.checkpoint, str(self.dump_folder), run_config=to_toml(cfg))
         resume_step = self.resume_step()
         self.model = self.materialize(model, initialise=resume_step is None)

@@ -1,4 +1,4 @@
-"""flame.train.bytecode: a bytecode cache folder where torch's install cannot keep its own."""
+"""flame.train.bytecode: a bytecode cache folder where torch's install keeps none."""
 
 import os
 import py_compile
@@ -11,44 +11,44 @@ from flame.train import bytecode
 
 @pytest.fixture
 def package(tmp_path, monkeypatch):
-    """An importable package `fakepkg` without bytecode, and a way to make its folder read-only
-    (os.access is what Python's own bytecode writing is judged by here; root may write anywhere)."""
+    """An importable package `fakepkg` without bytecode in a writable folder; Python's own settings
+    as a plain interpreter has them."""
     folder = tmp_path / "site" / "fakepkg"
     folder.mkdir(parents=True)
     (folder / "__init__.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
-    real_access = os.access
-
-    def read_only():
-        monkeypatch.setattr(bytecode.os, "access", lambda path, mode: False if str(path) == str(folder)
-                            else real_access(path, mode))
-
-    return folder, read_only
+    monkeypatch.setenv("FLAME_BYTECODE_CACHE", str(tmp_path / "cache"))
+    return folder
 
 
-def test_a_read_only_install_without_bytecode_gets_the_cache_folder(package, tmp_path):
-    folder, read_only = package
-    assert not bytecode.needs_a_bytecode_cache("fakepkg")  # writable: Python keeps its own
-    read_only()
-    assert bytecode.needs_a_bytecode_cache("fakepkg")
-    cache = tmp_path / "cache"
-    assert bytecode.use_a_bytecode_cache(cache, "fakepkg") == cache
-    assert sys.pycache_prefix == str(cache) and cache.is_dir()
+@pytest.mark.parametrize("why", ["PYTHONDONTWRITEBYTECODE", "read-only folder"])
+def test_an_install_without_bytecode_gets_the_cache_folder(package, tmp_path, monkeypatch, why):
+    assert not bytecode.lacks_bytecode("fakepkg")  # Python writes it beside the sources
+    if why == "PYTHONDONTWRITEBYTECODE":
+        monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    else:  # os.access is how the folder is judged (root may write anywhere)
+        access = os.access
+        monkeypatch.setattr(bytecode.os, "access",
+                            lambda path, mode: str(path) != str(package) and access(path, mode))
+    assert bytecode.lacks_bytecode("fakepkg")
+    assert bytecode.use_a_bytecode_cache("fakepkg") == tmp_path / "cache"
+    assert sys.pycache_prefix == str(tmp_path / "cache") and not sys.dont_write_bytecode
 
 
-def test_an_install_with_bytecode_or_a_users_choice_is_left_alone(package, tmp_path, monkeypatch):
-    folder, read_only = package
-    read_only()
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # PYTHONDONTWRITEBYTECODE
-    assert bytecode.use_a_bytecode_cache(tmp_path / "cache", "fakepkg") is None
-    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+def test_bytecode_beside_the_sources_or_the_users_choice_is_left_alone(package, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setenv("FLAME_BYTECODE_CACHE", "none")
+    assert bytecode.use_a_bytecode_cache("fakepkg") is None and sys.pycache_prefix is None
+    monkeypatch.setenv("FLAME_BYTECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "mine"))  # PYTHONPYCACHEPREFIX
-    assert bytecode.use_a_bytecode_cache(tmp_path / "cache", "fakepkg") is None
-    assert sys.pycache_prefix == str(tmp_path / "mine")
+    assert bytecode.use_a_bytecode_cache("fakepkg") is None and sys.pycache_prefix == str(tmp_path / "mine")
     monkeypatch.setattr(sys, "pycache_prefix", None)
-    py_compile.compile(str(folder / "__init__.py"), cfile=bytecode.importlib.util.cache_from_source(
-        str(folder / "__init__.py")))
-    assert not bytecode.needs_a_bytecode_cache("fakepkg")
-    assert not bytecode.needs_a_bytecode_cache("no_such_package_here")
+    source = str(package / "__init__.py")
+    py_compile.compile(source, cfile=bytecode.importlib.util.cache_from_source(source))
+    assert not bytecode.lacks_bytecode("fakepkg")
+    assert not bytecode.lacks_bytecode("no_such_package_here")
+    monkeypatch.delenv("FLAME_BYTECODE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert bytecode.bytecode_cache_folder() == tmp_path / "xdg" / "flame" / "pycache"

@@ -564,7 +564,12 @@ class Trainer(Stateful):
         it to spare (`OptimizerStateOnHost`); if not, a resume loads that state on the device."""
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         needed = ranks * OptimizerStateOnHost.host_bytes(self.model)
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):  # no such query on this system: load on the device
+            logger.info("checkpoint: the host's available memory is unknown: the optimizer's state is "
+                        "loaded on the device")
+            return False
         if 2 * needed <= available:
             return True
         logger.info("checkpoint: the optimizer's state of %d rank(s) (%.1f GiB) would take more than half "

@@ -264,7 +264,6 @@ class Trainer(Stateful):
         while self.steps_launched(pending) < last_step:
             micro_batches = self.next_micro_batches()
             gradients = self.pipeline.gradients(micro_batches)
-            self.optimizer_state_to_device()
             if pending is not None:
                 result = self.end_step(pending)  # waits for step N's two numbers only
                 yield result
@@ -315,9 +314,7 @@ class Trainer(Stateful):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over `micro_batches`, this rank's share of the global batch, read
         back and counted before it returns (no log, validation or checkpoint: `finish_step`)."""
-        gradients = self.pipeline.gradients(micro_batches)
-        self.optimizer_state_to_device()
-        return self.read_step(self.pipeline.launch(gradients))
+        return self.read_step(self.pipeline.launch(self.pipeline.gradients(micro_batches)))
 
     def read_step(self, step: LaunchedStep) -> StepResult:
         """Read a launched step's numbers (`StepPipeline.resolve`), count it (`TrainState.count`)
@@ -493,8 +490,8 @@ class Trainer(Stateful):
 
     def optimizer_state_to_device(self) -> None:
         """Hand a resume's optimizer state, held on the host through the first step's forward and
-        backward (`OptimizerStateOnHost`), to the optimizer: before the first update, and before
-        anything else reads or replaces that state."""
+        backward (`OptimizerStateOnHost`), to the optimizer: at its first update (a step pre-hook,
+        whichever path applies the update), or earlier when a save or a load needs that state."""
         if self.optimizer_on_host is not None:
             self.optimizer_on_host.to_device()
             self.optimizer_on_host = None
@@ -555,6 +552,12 @@ class Trainer(Stateful):
         if optimizer_on_host and self.optimizer_fits_on_host():
             self.optimizer_on_host = state["optimizer"] = OptimizerStateOnHost(self.model, self.optimizer)
         self.checkpointer.load(path, state)
+        if self.optimizer_on_host is not None:
+            def hand_over(*_):
+                self.optimizer_state_to_device()
+                handle.remove()
+
+            handle = self.optimizer.register_step_pre_hook(hand_over)
         logger.info("resumed from %s: step %d, %d tokens seen%s", path, self.state.step, self.state.tokens,
                     "; the optimizer's state waits in host memory for the first update"
                     if self.optimizer_on_host is not None else "")

@@ -212,6 +212,22 @@ def test_softmax_probabilities_sum_to_one():
     assert_close("p", z.softmax(-1), p[0], 1e-5)
 
 
+@pytest.mark.parametrize("M", [5, 64])
+def test_slot_softmax_backward_kernel_matches_autograd_in_fp64(M):
+    """The backward's softmax kernel: dz = p (dp - <p, dp>) over the M slots of every row, on a row count
+    that is not a multiple of the kernel's row block and an M that is not a power of two."""
+    from flame.ops.gsa.chunk_triton import softmax_bwd
+
+    gen = torch.Generator().manual_seed(3)
+    z = (4 * torch.randn(3, 37, 2, M, generator=gen, dtype=torch.float64)).requires_grad_()
+    dp = torch.randn(z.shape, generator=gen, dtype=torch.float64)
+    p = z.softmax(-1)
+    (dz_ref,) = torch.autograd.grad(p, z, dp)
+    dz = softmax_bwd(p.detach().float().to(DEVICE), dp.float().to(DEVICE))
+    assert dz.dtype == torch.float32
+    assert_close("dz", dz_ref, dz.cpu(), 1e-5)
+
+
 @pytest.mark.parametrize("K,V,M", [(60, 100, 32), (8, 8, 8), (16, 32, 64), (32, 16, 128)])
 def test_head_dims(op, K, V, M):
     """Odd head dims: non-power-of-two head dims, dims below 16 (padded with masks), M up to 128."""

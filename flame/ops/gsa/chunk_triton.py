@@ -161,10 +161,11 @@ def _slots_fwd_kernel(q, k, s, gc, h, z, p, cu_seqlens, chunk_indices, scale,
 
 
 @triton.jit
-def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, dq, dk, ds, dg, cu_seqlens, chunk_indices, scale,
+def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_seqlens, chunk_indices, scale,
                       H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       BK: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
-    """dq, dk and the pass-K parts of ds and dg (fp32) of one chunk and head."""
+    """dq, dk, and ds and dg of one chunk and head: the pass-K parts, plus pass V's ds_v and dg_v (fp32),
+    stored in the dtypes of ds and dg."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, Tc = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
@@ -209,8 +210,22 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, dq, dk, ds, dg, cu_seqlens, chu
     dg_ = tl.cumsum(zz * dzz - ss * ds_, axis=0, reverse=True) + g_last[None, :]
     off = ((t0 + rows)[:, None] * H + i_h) * M + cm[None, :]
     m = m_t[:, None] & m_m[None, :]
-    tl.store(ds + off, ds_, mask=m)
-    tl.store(dg + off, dg_, mask=m)
+    ds_ += tl.load(ds_v + off, mask=m, other=0.0)
+    dg_ += tl.load(dg_v + off, mask=m, other=0.0)
+    tl.store(ds + off, ds_.to(ds.dtype.element_ty), mask=m)
+    tl.store(dg + off, dg_.to(dg.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _softmax_bwd_kernel(p, dp, dz, rows, M: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr):
+    """dz = p (dp - sum_m p dp) over the M slots of BR rows (fp32)."""
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cm = tl.arange(0, BM)
+    m = (r < rows)[:, None] & (cm < M)[None, :]
+    off = r[:, None] * M + cm[None, :]
+    pp = tl.load(p + off, mask=m, other=0.0)
+    dpp = tl.load(dp + off, mask=m, other=0.0)
+    tl.store(dz + off, pp * (dpp - tl.sum(pp * dpp, axis=1)[:, None]), mask=m)
 
 
 # V-block width of the pass-V output and dv kernels of the core: each V-block loads the intra-chunk
@@ -272,16 +287,27 @@ def slots_fwd(q, k, s, gc, hk, layout, scale, DT, keep_scores=True):
     return z, p
 
 
-def slots_bwd(q, k, s, gc, hk, dhk, z, dz, layout, scale, DT):
-    """dq, dk (dtypes of q, k) and the pass-K ds, dg (fp32)."""
+def softmax_bwd(p, dp):
+    """dz = p (dp - sum_m p dp), the softmax's backward over the slots (last axis), fp32, one kernel."""
+    M = p.shape[-1]
+    rows = p.numel() // M
+    BM = max(16, triton.next_power_of_2(M))
+    BR = max(1, 2048 // BM)
+    dz = torch.empty_like(p)
+    _softmax_bwd_kernel[(triton.cdiv(rows, BR),)](p, dp, dz, rows, M=M, BR=BR, BM=BM)
+    return dz
+
+
+def slots_bwd(q, k, s, gc, hk, dhk, z, dz, ds_v, dg_v, layout, scale, DT, out_dtype):
+    """dq, dk (dtypes of q, k), and ds, dg in out_dtype: the pass-K parts plus pass V's ds_v, dg_v (fp32)."""
     B, T, H, K = q.shape
     M = s.shape[-1]
     BK, BM = _slot_blocks(K, M)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    ds = torch.empty(B, T, H, M, device=q.device, dtype=torch.float32)
+    ds = torch.empty(B, T, H, M, device=q.device, dtype=out_dtype)
     dg = torch.empty_like(ds)
     _slots_bwd_kernel[(layout.num_chunks, H)](
-        q, k, s, gc, hk, dhk, z, dz, dq, dk, ds, dg, layout.cu_seqlens, layout.chunk_indices, scale,
+        q, k, s, gc, hk, dhk, z, dz, ds_v, dg_v, dq, dk, ds, dg, layout.cu_seqlens, layout.chunk_indices, scale,
         H=H, K=K, M=M, BT=layout.chunk_size, BC=16, BK=BK, BM=BM, DT=_slot_dot_dtype(M, DT), num_warps=_SLOT_WARPS,
         num_stages=_SLOT_STAGES)
     return dq, dk, ds, dg
@@ -361,19 +387,20 @@ def _backward(q, k, v, s, g, hk0T, hv0_, z, p, gc, hk, hv, scale, cu_seqlens, ch
     dv, _, _ = chunk_dv_dA_bwd(s_, v_, gc, A, do, dhv, layout, 1.0, False, False, DT, BM, _value_block(V),
                                with_dA=False)
     _, dA, _ = chunk_dv_dA_bwd(None, v_, None, None, do, None, layout, 1.0, False, False, DT, BM, BV, with_dv=False)
-    dp, ds_v, dg_v, _ = chunk_dqkg_from_dA(p, s_.float(), v_, gc, gc, None, hv, do, dhv, dA, None, layout, 1.0,
-                                           False, DT, BM, BV)
-    # softmax over slots, fp32
-    dz = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dp, ds_v, dg_v, _ = chunk_dqkg_from_dA(p, s_, v_, gc, gc, None, hv, do, dhv, dA, None, layout, 1.0,
+                                           False, DT, BM, BV, dk_dtype=torch.float32)
+    dz = softmax_bwd(p, dp)
     # pass K: transposed states and state gradients from the core, then the column-gated read backward
     hk, dhk, dhk0T = chunk_states_fwd_bwd(dz, s_, k_, q, gc, layout, hk0T, dhkT_, scale, False, hk0T is not None,
                                           DT, h=hk)
-    dq, dk, ds_k, dg_k = slots_bwd(q, k_, s_, gc, hk, dhk, z, dz, layout, scale, DT)
+    # ds and dg in the inputs' dtype straight from the kernel, or fp32 until the sum over query groups
+    grads_dtype = s.dtype if NG == 1 and s.dtype == g.dtype else torch.float32
+    dq, dk, ds, dg = slots_bwd(q, k_, s_, gc, hk, dhk, z, dz, ds_v, dg_v, layout, scale, DT, grads_dtype)
 
     dk = _group_sum(dk, NG, 2)
     dv = _group_sum(dv, NG, 2)
-    ds = _group_sum(ds_k + ds_v, NG, 2).to(s.dtype)
-    dg = _group_sum(dg_k + dg_v, NG, 2).to(g.dtype)
+    ds = _group_sum(ds, NG, 2).to(s.dtype)
+    dg = _group_sum(dg, NG, 2).to(g.dtype)
     dhk0 = None if dhk0T is None else _group_sum(dhk0T, NG, 1).transpose(-1, -2).contiguous()
     dhv0 = None if dhv0 is None else _group_sum(dhv0, NG, 1)
     return dq, dk.to(k.dtype), dv.to(v.dtype), ds, dg, dhk0, dhv0

@@ -215,12 +215,12 @@ def chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout: ChunkLayout, scale: float, excl
 
 def chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout: ChunkLayout, scale: float,
                        exclusive: bool, dot_dtype, block_k: int, block_v: int, sub_chunk: int = 16,
-                       num_warps: int | None = None):
-    """dq, dk (dtypes of q, k), dg (dtype of g) [B, T, H, K], and du [H, K] fp32 (None without u).
-    num_warps: the kernel's launch width (default DQKG_WARPS); a family may pick its own."""
+                       num_warps: int | None = None, dk_dtype: torch.dtype | None = None):
+    """dq, dk (dtypes of q and k, or dk_dtype), dg (dtype of g) [B, T, H, K], and du [H, K] fp32 (None
+    without u). num_warps: the kernel's launch width (default DQKG_WARPS); a family may pick its own."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
+    dq, dk, dg = torch.empty_like(q), torch.empty_like(k, dtype=dk_dtype or k.dtype), torch.empty_like(g)
     du = torch.empty(layout.num_chunks, H, K, device=q.device, dtype=torch.float32) if u is not None else None
     block_k = min(block_k, DQKG_BLOCK_K)
     _dqkg_kernel[(layout.num_chunks, H, triton.cdiv(K, block_k))](

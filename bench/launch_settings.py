@@ -67,6 +67,9 @@ def _rwkv7_variants() -> dict[str, tuple[object, str, object]]:
             out[f"plan.{name} {value}"] = (chunk_plan.ChunkPlan, "__init__", _plan_with(**{name: value}))
     for warps in (2, 8):
         out[f"WARPS_SCAN {warps}"] = (chunk_scan_triton, "WARPS_SCAN", warps)
+    # the per-chunk kernels at 8 warps: half the registers per thread for their fp32 tiles
+    for kernel in ("prepare", "maps", "intra"):
+        out[f"plan.warps_{kernel} 8"] = (chunk_plan.ChunkPlan, "__init__", _plan_with(**{f"warps_{kernel}": 8}))
     return out
 
 

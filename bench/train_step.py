@@ -179,7 +179,8 @@ def run_child(family: str, size: str, lib: str, steps: int, warmup: int, profile
         recompile_limit_hits = sum(v for k, v in counters["stats"].items() if "limit" in k)
         syncs = host_syncs_of(step)
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        # a saved trace carries the Python stacks, to find the call site of a kernel launched outside the graphs
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(trace)) as prof:
             wall = sum(step() for _ in range(profile_steps))
         peak = torch.cuda.max_memory_allocated() / 2**30
         peak_reserved = torch.cuda.max_memory_reserved() / 2**30

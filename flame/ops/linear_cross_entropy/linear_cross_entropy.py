@@ -3,7 +3,8 @@
 The plain head materialises logits [N, V] and, for the loss, an fp32 copy and its gradient: 4 N V
 bytes per fp32 tensor, gigabytes at a pretraining batch. Here the rows go through in chunks:
 per chunk the logits h_c @ W^T (compute dtype, fp32 accumulation), the per-row loss and the logits
-gradient (rows_torch / rows_triton), then at once grad_h_c = g_c @ W and grad_W += g_c^T @ h_c (fp32).
+gradient (rows_torch / rows_triton), then at once grad_h_c = g_c @ W and grad_W += g_c^T @ h_c (fp32;
+on CUDA, cuBLAS adds the product of 16-bit operands into the fp32 sum directly).
 The chunk's logits are freed before the next chunk, so the peak holds one chunk of logits, not N rows.
 
 The gradients are computed in the forward, for a loss of scale 1, and saved; the backward only
@@ -84,7 +85,7 @@ def chunked_linear_cross_entropy(hidden, weight, labels, l2wrap, chunk_rows, bac
     need_grad = need_hidden_grad or need_weight_grad
     total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
-    grad_weight = torch.zeros(vocab, d, dtype=acc_dtype, device=hidden.device) if need_weight_grad else None
+    grad_weight = None
     for start in range(0, n, chunk_rows):
         end = min(start + chunk_rows, n)
         h = hidden[start:end]
@@ -95,12 +96,25 @@ def chunked_linear_cross_entropy(hidden, weight, labels, l2wrap, chunk_rows, bac
         if need_hidden_grad:
             torch.mm(grad_logits, weight, out=grad_hidden[start:end])
         if need_weight_grad:
-            if grad_logits.dtype == acc_dtype:
-                grad_weight.addmm_(grad_logits.t(), h)
-            else:
-                grad_weight += grad_logits.t() @ h
+            grad_weight = _add_product(grad_weight, grad_logits.t(), h, acc_dtype)
         del grad_logits
+    if need_weight_grad and grad_weight is None:  # no rows
+        grad_weight = torch.zeros(vocab, d, dtype=acc_dtype, device=hidden.device)
     return total, grad_hidden, grad_weight
+
+
+def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """acc + a @ b in acc_dtype (acc None: a @ b). On CUDA, cuBLAS multiplies 16-bit operands straight
+    into the fp32 accumulator (`out_dtype`): no 16-bit product to round, add and free, and no zeroed
+    buffer first. Elsewhere the product is formed in the operands' dtype and added."""
+    if a.dtype == acc_dtype:
+        return a @ b if acc is None else acc.addmm_(a, b)
+    if a.is_cuda:
+        if acc is None:
+            return torch.mm(a, b, out_dtype=acc_dtype)
+        return torch.addmm(acc, a, b, out_dtype=acc_dtype, out=acc)
+    product = (a @ b).to(acc_dtype)
+    return product if acc is None else acc.add_(product)
 
 
 def _scaled(total: torch.Tensor, scale) -> torch.Tensor:
@@ -131,7 +145,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # to bf16
             grad_hidden = grad_hidden * factor
         if grad_weight is not None:
-            grad_weight = (grad_weight * factor).to(ctx.weight_dtype)
+            # scaled in fp32 and rounded to the weight's dtype as it is stored: one kernel
+            grad_weight = torch.mul(grad_weight, factor,
+                                    out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device))
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

@@ -10,7 +10,6 @@ import triton.language as tl
 from ..common.chunk_triton.intra import mm_prec, mm_tf32_if
 from .chunk_helpers_triton import (cast_to, centre_factors, chunk_tile, fallback_heads, gate_cumsums, load_tile,
                                    pairwise_cols_bwd, regime_selected, rows_bwd)
-from .chunk_plan import WARPS_CHUNK
 
 
 @triton.jit
@@ -216,15 +215,16 @@ def chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
     dEb, dMqbb, dGb = per_t(), per_t(), per_t()
     glast = torch.empty(plan.NT, H, K, **f32)
     dq, dw, dk, da, db = (torch.empty_like(x) for x in (q, w, k, a, b))
-    common = dict(H=H, K=K, BT=BT, BK=plan.BK, PREC=plan.prec, num_warps=WARPS_CHUNK)
+    common = dict(H=H, K=K, BT=BT, BK=plan.BK, PREC=plan.prec)
     for mode in plan.modes:
         _bwd_maps_kernel[plan.grid(mode)](q, w, k, v, b, do, hs, dhs, pre["Wm"], pre["Gm"], pre["Mqb"], plan.cu,
                                           plan.chunk_info, scale, pre["regime"], dq, dEb, dMqbb, gq, dWb, dGb, dks,
                                           dbs, glast, V=V, BV=plan.BV_bwd, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32,
-                                          HP=plan.HP, num_stages=plan.stages_maps, **common)
+                                          HP=plan.HP, num_stages=plan.stages_maps, num_warps=plan.warps_maps,
+                                          **common)
     for mode in plan.modes:
         _bwd_intra_kernel[plan.grid(mode)](q, w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, dEb, dMqbb, dks, dbs, gq,
                                            glast, plan.cu, plan.chunk_info, scale, pre["regime"], da, dw, dk, db,
                                            MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, HP=plan.HP, num_stages=1,
-                                           **common)
+                                           num_warps=plan.warps_intra, **common)
     return dq, dw, dk, da, db

@@ -14,8 +14,9 @@ LOG2E = 1.4426950408889634
 HEADROOM_LOG2 = 124.0  # fp32 exponent range (128) minus 4 bits of headroom
 MAX_CHUNK_K = 128  # larger head dims go to the fused recurrent kernels
 # warps per program: 4 everywhere. The per-chunk kernels compiled for 8 warps with 3xTF32 products
-# give wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64), although 8
-# warps would halve their registers per thread.
+# give wrong results and illegal memory accesses on an H100 with triton 3.6 (BT = 64); at BT = 32 with
+# bf16x3 products they run correctly but slower, although 8 warps halve their registers per thread
+# (bench/RESULTS.md, "Chunk kernels' launch settings"; ChunkPlan.warps_* for a trial).
 WARPS_CHUNK = 4
 WARPS_SCAN = 4
 
@@ -113,6 +114,8 @@ class ChunkPlan:
         # `prepare`'s register cap at head dims <= 64: 3 programs per SM instead of 2, faster despite a
         # little spilling (the backward's kernels are faster uncapped)
         self.maxnreg = 168 if self.BK <= 64 else None
+        # warps per program of the per-chunk kernels: `prepare`, `_bwd_maps` and `_bwd_intra`
+        self.warps_prepare = self.warps_maps = self.warps_intra = WARPS_CHUNK
         # `_bwd_maps`'s pipeline stages over its V blocks: 3 the fastest tried; 1 at larger head dims,
         # whose tiles already fill shared memory
         self.stages_maps = 3 if self.BK <= 64 else 1

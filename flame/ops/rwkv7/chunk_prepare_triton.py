@@ -10,7 +10,7 @@ from ..common.chunk_triton.intra import mm_prec
 from .chunk_helpers_triton import (cast_to, centre_factors, centred_a_side, centred_q_side, chunk_tile, cumsums_of,
                                    fallback_heads, gates_keep_bound, load_tile, pairwise_a_side, pairwise_q_side,
                                    regime_selected)
-from .chunk_plan import WARPS_CHUNK, intermediate_specs
+from .chunk_plan import intermediate_specs
 from .wy_inverse_triton import unit_lower_inverse
 
 
@@ -132,6 +132,6 @@ def prepare(plan, q, w, k, a, b, scale, store_bwd, keep_tm, tm=None):
             out["Qs"], out["Es"], out["Cs"], out["As"], out["regime"],
             H=H, K=K, BT=BT, BK=plan.BK, MODE=mode, STORE_BWD=store_bwd,
             TM_MODE=2 if tm is not None else int(keep_tm), LOWP=plan.lowp, TF32=plan.tf32, PREC=plan.prec,
-            HP=plan.HP, num_warps=WARPS_CHUNK, num_stages=1, maxnreg=plan.maxnreg,
+            HP=plan.HP, num_warps=plan.warps_prepare, num_stages=1, maxnreg=plan.maxnreg,
         )
     return out

@@ -177,14 +177,14 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_
     A = _plain_scores(q, k, t0, Tc, i_h, scale, H, K, BT, BK, DT)
     # dA[tau, j] = sum_m dz[tau, m] s[j, m] exp(G[tau, m] - G[j, m]), j <= tau: the core's intra matrix
     dA = intra_chunk_matrix(dz, s, gc, s, t0, Tc, i_h, 1.0, H, M, BT, BC, BM, False, False, DT)
+    # Only the tiles the K loop reads are formed before it: s, z, dz and the gates are loaded again after
+    # it (cache hits), as holding them over the loop spills registers.
     gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
     gl = load_row(gc, t0, Tc - 1, i_h, cm, m_m, H, M)
-    ss = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M)
-    dzz = load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M)
-    zz = load_rows(z, t0, rows, m_t, i_h, cm, m_m, H, M)
+    dz_in = load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M) * tl.exp2(tl.where(m_t[:, None], gq, float("-inf")))
+    dz_in = dz_in * scale
     to_end = tl.exp2(tl.where(m_t[:, None], gl[None, :] - gq, float("-inf")))     # e^{G_L - G_j}
-    dz_in = dzz * tl.exp2(tl.where(m_t[:, None], gq, float("-inf"))) * scale
-    s_end = ss * to_end
+    s_end = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M) * to_end
     ds_state = tl.zeros([BT, BM], dtype=tl.float32)
     h_dh = tl.zeros([BM], dtype=tl.float32)
     state = (i_c.to(tl.int64) * H + i_h) * M * K
@@ -204,10 +204,13 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_
         m = m_t[:, None] & m_k[None, :]
         tl.store(dq + off, dq_.to(dq.dtype.element_ty), mask=m)
         tl.store(dk + off, dk_.to(dk.dtype.element_ty), mask=m)
-    ds_state = ds_state * to_end
+    gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
+    ds_state = ds_state * tl.exp2(tl.where(m_t[:, None], gl[None, :] - gq, float("-inf")))
+    ss = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M)
     g_last = tl.exp2(gl) * h_dh + tl.sum(ss * ds_state, axis=0)
     ds_ = ds_state + _column_gated_read_t(A, dz, gc, t0, Tc, i_h, H, M, BT, BC, BM, DT)
-    dg_ = tl.cumsum(zz * dzz - ss * ds_, axis=0, reverse=True) + g_last[None, :]
+    zz_dz = load_rows(z, t0, rows, m_t, i_h, cm, m_m, H, M) * load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M)
+    dg_ = tl.cumsum(zz_dz - ss * ds_, axis=0, reverse=True) + g_last[None, :]
     off = ((t0 + rows)[:, None] * H + i_h) * M + cm[None, :]
     m = m_t[:, None] & m_m[None, :]
     ds_ += tl.load(ds_v + off, mask=m, other=0.0)

@@ -181,8 +181,8 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_
     # it (cache hits), as holding them over the loop spills registers.
     gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
     gl = load_row(gc, t0, Tc - 1, i_h, cm, m_m, H, M)
-    dz_in = load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M) * tl.exp2(tl.where(m_t[:, None], gq, float("-inf")))
-    dz_in = dz_in * scale
+    e_gq = tl.exp2(tl.where(m_t[:, None], gq, float("-inf")))
+    dz_in = load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M) * e_gq * scale
     to_end = tl.exp2(tl.where(m_t[:, None], gl[None, :] - gq, float("-inf")))     # e^{G_L - G_j}
     s_end = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M) * to_end
     ds_state = tl.zeros([BT, BM], dtype=tl.float32)

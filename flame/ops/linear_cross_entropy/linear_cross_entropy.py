@@ -103,7 +103,8 @@ def chunked_linear_cross_entropy(hidden, weight, labels, l2wrap, chunk_rows, bac
     return total, grad_hidden, grad_weight
 
 
-def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                 acc_dtype: torch.dtype) -> torch.Tensor:
     """acc + a @ b in acc_dtype (acc None: a @ b). On CUDA, cuBLAS multiplies 16-bit operands straight
     into the fp32 accumulator (`out_dtype`): no 16-bit product to round, add and free, and no zeroed
     buffer first. Elsewhere the product is formed in the operands' dtype and added."""
@@ -146,8 +147,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden = grad_hidden * factor
         if grad_weight is not None:
             # scaled in fp32 and rounded to the weight's dtype as it is stored: one kernel
-            grad_weight = torch.mul(grad_weight, factor,
-                                    out=torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device))
+            rounded = torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device)
+            grad_weight = torch.mul(grad_weight, factor, out=rounded)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

@@ -161,6 +161,12 @@ def _slots_fwd_kernel(q, k, s, gc, h, z, p, cu_seqlens, chunk_indices, scale,
 
 
 @triton.jit
+def _to_chunk_end(gl, gq, m_t):
+    """e^{G_L - G_j} [BT, M] for the chunk's rows j (0 on rows past the chunk's end)."""
+    return tl.exp2(tl.where(m_t[:, None], gl[None, :] - gq, float("-inf")))
+
+
+@triton.jit
 def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_seqlens, chunk_indices, scale,
                       H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       BK: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
@@ -183,8 +189,7 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_
     gl = load_row(gc, t0, Tc - 1, i_h, cm, m_m, H, M)
     e_gq = tl.exp2(tl.where(m_t[:, None], gq, float("-inf")))
     dz_in = load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M) * e_gq * scale
-    to_end = tl.exp2(tl.where(m_t[:, None], gl[None, :] - gq, float("-inf")))     # e^{G_L - G_j}
-    s_end = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M) * to_end
+    s_end = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M) * _to_chunk_end(gl, gq, m_t)
     ds_state = tl.zeros([BT, BM], dtype=tl.float32)
     h_dh = tl.zeros([BM], dtype=tl.float32)
     state = (i_c.to(tl.int64) * H + i_h) * M * K
@@ -205,7 +210,7 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_
         tl.store(dq + off, dq_.to(dq.dtype.element_ty), mask=m)
         tl.store(dk + off, dk_.to(dk.dtype.element_ty), mask=m)
     gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
-    ds_state = ds_state * tl.exp2(tl.where(m_t[:, None], gl[None, :] - gq, float("-inf")))
+    ds_state = ds_state * _to_chunk_end(gl, gq, m_t)
     ss = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M)
     g_last = tl.exp2(gl) * h_dh + tl.sum(ss * ds_state, axis=0)
     ds_ = ds_state + _column_gated_read_t(A, dz, gc, t0, Tc, i_h, H, M, BT, BC, BM, DT)

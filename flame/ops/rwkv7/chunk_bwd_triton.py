@@ -51,18 +51,22 @@ def _bwd_maps_kernel(
 def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_info, scale, dq, dEb, dMqbb, gq,
                     dWb, dGb, dks, dbs, glast, H, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     MODE: tl.constexpr, LOWP: tl.constexpr, TF32: tl.constexpr, PREC: tl.constexpr, i_c, i_h):
-    """Chunk i_c of head i_h, in two passes over the V blocks of its state S^in, state gradient dS^out,
-    V and dO.
+    """Chunk i_c of head i_h, in two passes over the V blocks: the first reads its state S^in, state
+    gradient dS^out, V and dO and forms dA = dS S^T, dC = V dS^T and dQ' = dO S^T; the second reads
+    V and dO again (from L2) for dE = dO V^T.
 
-    State side: dA = dS S^T and dC = V dS^T, then through A = diag(e^Γ_L) + B̃^T W and C = K̃ + G^T B̃ to
+    State side: from dA and dC through A = diag(e^Γ_L) + B̃^T W and C = K̃ + G^T B̃ to
     dB̃ = G dC + W dA^T, the state-path parts of dk and db, the chunk-total gate term of I2, and the parts
     B̃ dA of dW and B̃ dC^T of dG, which stay in registers.
-    Output side: dQ' = dO S^T and dE = dO V^T, then dW += M^qb^T dQ', dG += M^qb^T dE (stored for
+    Output side: from dQ' and dE, dW += M^qb^T dQ', dG += M^qb^T dE (stored for
     `_bwd_intra`), dM^qb = incl(dQ' W^T + dE G^T), dq (dQ̂ e^Γ + the row side of dM^qk = incl(dE) and
     dM^qb) and its I2 term q dq. Stores dE, dM^qb and q dq (fp32) for `_bwd_intra`.
     One kernel for both sides keeps dW and dG out of global memory between them and reads the chunk's
-    gates, keys, W and G once; the second pass over S^in and V mostly hits L2. It is faster than one
-    kernel per side, and than one pass accumulating all four reductions at once (more registers)."""
+    gates, keys, W and G once. S^in, the largest tile, is read once: dQ' in the first pass costs fewer
+    registers than the state side holds, where a second read of S^in costs DRAM traffic (the states
+    of a 340M layer's call are 134 MB, more than L2). It is faster than one kernel per side, than a
+    second pass over S^in, and than one kernel for `_bwd_maps` and `_bwd_intra` with a barrier between
+    (bench/RESULTS.md, "Chunk kernels' launch settings")."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -71,12 +75,14 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
     # state side
     dA = tl.zeros([BK, BK], dtype=tl.float32)
     dC = tl.zeros([BT, BK], dtype=tl.float32)
+    dQ = tl.zeros([BT, BK], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
         S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
         dS = tl.load(dhs + h_base + s_off, mask=m_s, other=0.0)
         dA += mm_tf32_if(dS, tl.trans(S), TF32, PREC)
         dC += mm_tf32_if(load_tile(v + bv, p_v, m_r & m_v), tl.trans(dS), TF32, PREC)
+        dQ += mm_tf32_if(load_tile(do + bv, p_v, m_r & m_v), tl.trans(S), TF32, PREC)
     Gi, Ge, g_L = gate_cumsums(w + bk, p_k, m_rk)
     e_L = tl.exp2(g_L[None, :] - Gi)
     dbt = mm_tf32_if(load_tile(Gm + bT, p_t, m_r), dC, TF32, PREC) \
@@ -95,13 +101,10 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
     dG = mm_tf32_if(b_bt, tl.trans(dC), TF32, PREC)
     # output side
     incl = rows[:, None] >= rows[None, :]
-    dQ = tl.zeros([BT, BK], dtype=tl.float32)
     dE = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
-        S = tl.load(hs + h_base + s_off, mask=m_s, other=0.0)
         b_do = load_tile(do + bv, p_v, m_r & m_v)
-        dQ += mm_tf32_if(b_do, tl.trans(S), TF32, PREC)
         dE += mm_tf32_if(b_do, tl.trans(load_tile(v + bv, p_v, m_r & m_v)), TF32, PREC)
     tl.store(dEb + bT + p_t, dE, mask=m_r)
     b_Mqb = load_tile(Mqb + bT, p_t, m_r)
@@ -154,26 +157,27 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     columns of dM^qb and dM^ab; then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,
     γ = q dq + a da - k dk - b db.
     dM^ak, dM^ab and a da stay in registers between the two, and the gates, a, k and b are read by one
-    program: faster than one kernel per part, although this one spills more registers."""
+    program: faster than one kernel per part, although this one spills a little. Each tile is loaded
+    where it is first needed (dW and the gates after the M^ak products, dk's column products before
+    db's), so fewer tiles are live at once and fewer registers spill."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     strict = rows[:, None] > rows[None, :]
-    Gi, Ge, g_L = gate_cumsums(w + bk, p_k, m_rk)
     # WY backward
     b_Tm = tl.load(Tm + bT + p_t, mask=m_r, other=0.0)
     dG = load_tile(dGb + bT, p_t, m_r)
-    dW = load_tile(dWb + bk, p_k, m_rk)
-    e_Ge = tl.exp2(Ge)
-    b_a = load_tile(a + bk, p_k, m_rk)
-    dTm = mm_prec(dG, tl.trans(load_tile(Mak + bT, p_t, m_r)), PREC) \
-        + mm_prec(dW, tl.trans(b_a * e_Ge), PREC)
+    dTm = mm_prec(dG, tl.trans(load_tile(Mak + bT, p_t, m_r)), PREC)
     dMak = tl.where(strict, mm_prec(tl.trans(b_Tm), dG, PREC), 0.0)
+    Gi, Ge, g_L = gate_cumsums(w + bk, p_k, m_rk)
+    b_a = load_tile(a + bk, p_k, m_rk)
+    dW = load_tile(dWb + bk, p_k, m_rk)
+    dTm += mm_prec(dW, tl.trans(b_a * tl.exp2(Ge)), PREC)
     dAh = mm_prec(tl.trans(b_Tm), dW, PREC)
     dMab = mm_prec(mm_prec(tl.trans(b_Tm), dTm, PREC), tl.trans(b_Tm), PREC)
     dMab = tl.where(strict, dMab, 0.0)
     i_da = rows_bwd(dMak, dMab, k + bk, b + bk, p_k, m_rk, Gi, Ge, True, MODE == 1, BT, BK, PREC)
-    b_da = dAh * e_Ge + i_da
+    b_da = dAh * tl.exp2(Ge) + i_da
     tl.store(da + bk + p_k, cast_to(b_da, da, LOWP), mask=m_rk)
     g_a = b_a * b_da
     # column side (the gates and a loaded again: cheaper than holding them in registers)
@@ -182,22 +186,25 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     dMqk = tl.where(rows[:, None] >= rows[None, :], load_tile(dEb + bT, p_t, m_r), 0.0)
     dMqb = load_tile(dMqbb + bT, p_t, m_r)
     b_q = load_tile(q + bk, p_k, m_rk) * scale
+    # dk before db, and k dk formed at once: the column products of dk and of db are not live together
     if MODE == 1:
         e_q, e_k, e_a = centre_factors(Gi, Ge, BT)
         qc = b_q * e_q
         ac = b_a * e_a
         i_dk = (mm_tf32_if(tl.trans(dMqk), qc, TF32, PREC)
                 + mm_tf32_if(tl.trans(dMak), ac, TF32, PREC)) * e_k
-        i_db = (mm_tf32_if(tl.trans(dMqb), qc, TF32, PREC)
-                + mm_tf32_if(tl.trans(dMab), ac, TF32, PREC)) * e_k
     else:
         i_dk, i_db = pairwise_cols_bwd(b_q, b_a, Gi, Ge, dMqk, dMak, dMqb, dMab, BT, BK, PREC)
     b_dk = load_tile(dks + bk, p_k, m_rk) + i_dk
-    b_db = load_tile(dbs + bk, p_k, m_rk) + i_db
     tl.store(dk + bk + p_k, cast_to(b_dk, dk, LOWP), mask=m_rk)
+    kdk = load_tile(k + bk, p_k, m_rk) * b_dk
+    if MODE == 1:
+        i_db = (mm_tf32_if(tl.trans(dMqb), qc, TF32, PREC)
+                + mm_tf32_if(tl.trans(dMab), ac, TF32, PREC)) * e_k
+    b_db = load_tile(dbs + bk, p_k, m_rk) + i_db
     tl.store(db + bk + p_k, cast_to(b_db, db, LOWP), mask=m_rk)
     gam = load_tile(gq + bk, p_k, m_rk) + g_a
-    gam -= load_tile(k + bk, p_k, m_rk) * b_dk + load_tile(b + bk, p_k, m_rk) * b_db
+    gam -= kdk + load_tile(b + bk, p_k, m_rk) * b_db
     rev = tl.sum(gam, 0)[None, :] - tl.cumsum(gam, 0) + gam
     g_last = tl.load(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
     tl.store(dw + bk + p_k, cast_to(rev - g_a + g_last[None, :], dw, LOWP), mask=m_rk)

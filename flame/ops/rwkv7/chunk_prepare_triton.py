@@ -72,7 +72,8 @@ def _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As,
                                         BT, PREC)
     # the q side before the inverse, which it does not depend on: its products then fill the latency of
     # the inverse's serial chain. The centred factors and the k, b tiles are formed again from the
-    # loads: one branch holding them for both sides spills more
+    # loads: one branch holding them for both sides spills more. For the same reason the a and q tiles
+    # are loaded again (from cache) after the inverse instead of being held over it
     b_q = load_tile(q + bk, p_k, m_rk) * scale
     if CENTRED:
         e_q, e_k, e_a = centre_factors(Gi, Ge, BT)
@@ -89,14 +90,14 @@ def _prepare_chunk(q, k, a, b, b_w, scale, Wm, Gm, Tm, Mak, Mqb, Qs, Es, Cs, As,
         b_Tm = unit_lower_inverse(b_Mab, BT, TF32, PREC)
         if TM_MODE == 1:
             tl.store(Tm + bT + p_t, b_Tm, mask=m_r)
-    b_W = mm_prec(b_Tm, b_a * tl.exp2(Ge), PREC)
+    b_W = mm_prec(b_Tm, load_tile(a + bk, p_k, m_rk) * tl.exp2(Ge), PREC)
     b_G = mm_prec(b_Tm, b_Mak, PREC)
     if STORE_BWD:
         tl.store(Mak + bT + p_t, b_Mak, mask=m_r)
         tl.store(Wm + bk + p_k, b_W, mask=m_rk)
         tl.store(Gm + bT + p_t, b_G, mask=m_r)
 
-    b_Q = b_q * tl.exp2(Gi) + mm_prec(b_Mqb, b_W, PREC)
+    b_Q = load_tile(q + bk, p_k, m_rk) * scale * tl.exp2(Gi) + mm_prec(b_Mqb, b_W, PREC)
     tl.store(Qs + bk + p_k, cast_to(b_Q, Qs, LOWP), mask=m_rk)
     b_E = b_Mqk + mm_prec(b_Mqb, b_G, PREC)
     tl.store(Es + bT + p_t, cast_to(b_E, Es, LOWP), mask=m_r)

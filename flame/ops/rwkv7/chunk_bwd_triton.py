@@ -62,11 +62,11 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
     `_bwd_intra`), dM^qb = incl(dQ' W^T + dE G^T), dq (dQ̂ e^Γ + the row side of dM^qk = incl(dE) and
     dM^qb) and its I2 term q dq. Stores dE, dM^qb and q dq (fp32) for `_bwd_intra`.
     One kernel for both sides keeps dW and dG out of global memory between them and reads the chunk's
-    gates, keys, W and G once. S^in, the largest tile, is read once: dQ' in the first pass costs fewer
-    registers than the state side holds, where a second read of S^in costs DRAM traffic (the states
-    of a 340M layer's call are 134 MB, more than L2). It is faster than one kernel per side, than a
-    second pass over S^in, and than one kernel for `_bwd_maps` and `_bwd_intra` with a barrier between
-    (bench/RESULTS.md, "Chunk kernels' launch settings")."""
+    gates, keys, W and G once. S^in, the largest tile, is read once: the accumulator of dQ' in the
+    first pass stays below the register peak that the state side sets, where a second read of S^in
+    costs DRAM traffic (the states of a 340M layer's call are 134 MB, more than L2). It is faster
+    than one kernel per side, than a second pass over S^in, and than one kernel for `_bwd_maps` and
+    `_bwd_intra` with a barrier between (bench/RESULTS.md, "Chunk kernels' launch settings")."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)

@@ -4,13 +4,13 @@
     python -m bench.registers --only rwkv7.bwd --json regs.json
 
 Triton compiles each kernel with the launch settings and block sizes the op ships at the 340M
-layer shape (RWKV7: B8 T2048 H16 K=V=64, bf16, the model's gate bound; GSA: H4 K=V=256 M64) for
-the target, and ptxas (the one in Triton's wheel, run by Triton itself) reports per kernel its
-registers per thread and the bytes it spills. No GPU is needed, so a change to a kernel's tiles or
-their live ranges can be checked in seconds on a laptop or in CI. Spills are a hint, not a timing:
-bench.launch_settings and bench.train_step on a GPU decide what ships (bench/RESULTS.md, "Chunk
-kernels' launch settings"). Run it without TRITON_INTERPRET: under the interpreter the kernels are
-not compiled.
+layer shape (RWKV7 and RWKV6: B8 T2048 H16 K=V=64, RWKV7 with the model's gate bound; GSA: H4
+K=V=256 M64; bf16) for the target, and ptxas (the one in Triton's wheel, run by Triton itself)
+reports per kernel its registers per thread and the bytes it spills. No GPU is needed, so a change
+to a kernel's tiles or their live ranges can be checked in seconds on a laptop or in CI. Spills are
+a hint, not a timing: bench.launch_settings and bench.train_step on a GPU decide what ships
+(bench/RESULTS.md, "Chunk kernels' launch settings"). Run it without TRITON_INTERPRET: under the
+interpreter the kernels are not compiled.
 """
 
 from __future__ import annotations
@@ -132,9 +132,29 @@ def _gsa_jobs() -> dict:
             "gsa.slots_bwd": (gsa._slots_bwd_kernel, const, types, options)}
 
 
+def _rwkv6_jobs() -> dict:
+    """RWKV6's backward kernels of the common chunk core (dv and dA; dq, dk, dw) at rwkv6_340M's layer
+    shape, bf16."""
+    import torch
+
+    from flame.ops.common.chunk_triton import grads
+    from flame.ops.common.chunk_triton.plan import block_sizes, dot_dtype
+    from flame.ops.rwkv6.chunk_triton import CHUNK_SIZE
+
+    K = V = 64
+    BK, BV = block_sizes(K, V)
+    types = {name: "*bf16" for name in ("q", "k", "v", "do", "dq", "dk", "dv", "dg", "u")}
+    types.update(cu_seqlens="*i64", chunk_indices="*i32", scale="fp32", H="i32")
+    const = dict(K=K, V=V, BT=CHUNK_SIZE, BV=BV, EXCLUSIVE=True, HAS_U=True, DT=dot_dtype(torch.bfloat16, K))
+    return {"rwkv6.dv": (grads._dv_kernel, dict(const, BK=BK, STORE_DV=True, STORE_DA=True), types,
+                         dict(num_warps=grads.DV_WARPS, num_stages=1)),
+            "rwkv6.dqkg": (grads._dqkg_kernel, dict(const, BK=min(BK, grads.DQKG_BLOCK_K), BC=16), types,
+                           dict(num_warps=grads.DQKG_WARPS, num_stages=1))}
+
+
 def jobs() -> dict:
     """{label: (kernel, constexprs, argument types, compile options)}."""
-    return {**_rwkv7_jobs(), **_gsa_jobs()}
+    return {**_rwkv7_jobs(), **_rwkv6_jobs(), **_gsa_jobs()}
 
 
 def main() -> int:

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 # ptxas -v: "Used 255 registers, ..." and "208 bytes stack frame, 200 bytes spill stores, 200 bytes spill loads"
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+# argument types every chunk kernel shares: the chunk tables and the scale
+_TABLE_TYPES = {"cu_seqlens": "*i64", "chunk_info": "*i32", "chunk_indices": "*i32", "scale": "fp32"}
 
 
 @dataclass
@@ -53,10 +55,12 @@ def parse_ptxas_log(log: str, kernel_name: str) -> tuple[int, int, int, int]:
 
 def _signature(fn, constexprs: dict, types: dict) -> tuple[dict, dict, dict]:
     """Triton's (signature, constexprs, attributes) of `fn` (a JITFunction): `types` names the
-    non-default types; every other argument is an fp32 pointer. Pointers and i32 arguments are
+    kernel's own types, over the chunk tables' and scale's (`_TABLE_TYPES`); every other argument is
+    an fp32 pointer. Pointers and i32 arguments are
     marked divisible by 16, as Triton specializes them at the launches timed (torch's allocations
     and head sizes that are multiples of 16)."""
     names = list(inspect.signature(fn.fn).parameters)
+    types = {**_TABLE_TYPES, **types}
     signature = {name: "constexpr" if name in constexprs else types.get(name, "*fp32") for name in names}
     consts = {(names.index(name),): value for name, value in constexprs.items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -73,9 +77,8 @@ def compile_report(label: str, fn, constexprs: dict, types: dict, options: dict,
 
     signature, consts, attrs = _signature(fn, constexprs, types)
     log = io.StringIO()
-    with knobs.nvidia.scope(), knobs.cache.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
         knobs.nvidia.dump_ptxas_log = True  # Triton prints its own ptxas -v call's log
-        knobs.cache.dir = os.path.join(os.path.expanduser("~"), ".cache", "flame-bench-registers")
         knobs.compilation.always_compile = True  # a cached kernel would skip ptxas and its log
         compiled = triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
                                   options=options)
@@ -96,8 +99,7 @@ def _rwkv7_jobs() -> dict:
     mode = plan.modes[0]  # the centred regime's launch: every chunk of a trained model
     bf16 = {name: "*bf16" for name in ("q", "w", "k", "v", "a", "b", "do", "Qs", "Es", "Cs", "dq", "dw", "dk", "da",
                                        "db")}
-    types = {**bf16, "cu_seqlens": "*i64", "chunk_info": "*i32", "regime": "*i8", "scale": "fp32",
-             "lower_bound": "fp32", "H": "i32", "K": "i32", "V": "i32"}
+    types = {**bf16, "regime": "*i8", "lower_bound": "fp32", "H": "i32", "K": "i32", "V": "i32"}
     common = dict(BT=plan.BT, BK=plan.BK, MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, PREC=plan.prec, HP=plan.HP)
     prepare = dict(num_warps=plan.warps_prepare, num_stages=1, maxnreg=plan.maxnreg)
     return {
@@ -125,7 +127,6 @@ def _gsa_jobs() -> dict:
     K, M = 256, 64
     BK, BM = gsa._slot_blocks(K, M)
     types = {name: "*bf16" for name in ("q", "k", "s", "dq", "dk", "ds", "dg")}
-    types.update(cu_seqlens="*i64", chunk_indices="*i32", scale="fp32")
     const = dict(H=4, K=K, M=M, BT=64, BC=16, BK=BK, BM=BM, DT=gsa._slot_dot_dtype(M, tl.bfloat16))
     options = dict(num_warps=gsa._SLOT_WARPS, num_stages=gsa._SLOT_STAGES)
     return {"gsa.slots_fwd": (gsa._slots_fwd_kernel, dict(const, STORE_Z=True), types, options),
@@ -144,7 +145,7 @@ def _rwkv6_jobs() -> dict:
     K = V = 64
     BK, BV = block_sizes(K, V)
     types = {name: "*bf16" for name in ("q", "k", "v", "do", "dq", "dk", "dv", "dg", "u")}
-    types.update(cu_seqlens="*i64", chunk_indices="*i32", scale="fp32", H="i32")
+    types["H"] = "i32"
     const = dict(K=K, V=V, BT=CHUNK_SIZE, BV=BV, EXCLUSIVE=True, HAS_U=True, DT=dot_dtype(torch.bfloat16, K))
     return {"rwkv6.dv": (grads._dv_kernel, dict(const, BK=BK, STORE_DV=True, STORE_DA=True), types,
                          dict(num_warps=grads.DV_WARPS, num_stages=1)),

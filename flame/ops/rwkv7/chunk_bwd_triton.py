@@ -103,7 +103,7 @@ def _bwd_maps_chunk(q, w, k, v, b, do, hs, dhs, Wm, Gm, Mqb, cu_seqlens, chunk_i
     incl = rows[:, None] >= rows[None, :]
     dE = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
-        s_off, m_s, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
+        _, _, p_v, m_v = _v_block(i_v, H, K, V, BT, BK, BV)
         b_do = load_tile(do + bv, p_v, m_r & m_v)
         dE += mm_tf32_if(b_do, tl.trans(load_tile(v + bv, p_v, m_r & m_v)), TF32, PREC)
     tl.store(dEb + bT + p_t, dE, mask=m_r)

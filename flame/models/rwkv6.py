@@ -211,8 +211,8 @@ class RWKV6FeedForward(nn.Module):
         previous = None if state is None else state.previous_token(x, "ffn_shift", cu_seqlens)
         xk, xr = ops.token_shift_mix(x, torch.stack([self.mu_k, self.mu_r]), cu_seqlens=cu_seqlens,
                                      previous=previous, backend=self.backend)
-        k = ops.squared_relu(self.key(xk), backend=self.backend)
-        return torch.sigmoid(self.receptance(xr)) * self.value(k)
+        value = ops.squared_relu_mlp(xk, self.key.weight, self.value.weight, backend=self.backend)
+        return torch.sigmoid(self.receptance(xr)) * value
 
     @torch.no_grad()
     def decode_weights(self) -> dict[str, torch.Tensor]:

@@ -231,7 +231,7 @@ class RWKV7FeedForward(nn.Module):
         previous = None if state is None else state.previous_token(x, "ffn_shift", cu_seqlens)
         (xk,) = ops.token_shift_mix(x, self.mu_k[None], cu_seqlens=cu_seqlens, previous=previous,
                                     backend=self.backend)
-        return self.value(ops.squared_relu(self.key(xk), backend=self.backend))
+        return ops.squared_relu_mlp(xk, self.key.weight, self.value.weight, backend=self.backend)
 
     def decode_weights(self) -> dict[str, torch.Tensor]:
         return {"ffn_mu": self.mu_k.detach()[None]}

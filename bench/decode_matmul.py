@@ -12,7 +12,7 @@ Cases (what one sub-layer of a decoding step launches):
   bmm (r, k, v), bmm (LoRA firsts), tanh_, sigmoid_.
 - lora_out: RWKV7's four LoRA second matrices (rank 160 -> 1024 each): bmm.
 - ffn: RWKV7's channel mix: the residual add (add_), F.layer_norm, the lerp, prev.copy_(h), key
-  Linear, squared_relu, value Linear.
+  Linear, relu(.)^2, value Linear.
 - out_residual: the output projection and the residual add: Linear, then add_.
 - gsa_mlp: GSA's RMSNorm, gate/up, silu(gate) * up, down, residual add: F.rms_norm, Linear,
   silu * up, Linear, add_.
@@ -62,7 +62,6 @@ from bench.timing import require_cuda
 from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.decode_matmul import decode_matmul_triton as kernel_module
 from flame.ops.decode_matmul.decode_matmul import decode_matmul_torch
-from flame.ops.squared_relu import squared_relu
 
 C, RANK, FFN = 1024, 160, 4096
 
@@ -119,7 +118,7 @@ def case_ffn(B, device):
         normed = F.layer_norm(x, (C,), ln_w, ln_b, 1e-5)
         lerp = torch.addcmul(normed, prev - normed, mu[0])
         prev.copy_(normed)
-        F.linear(squared_relu(F.linear(lerp, key)), value)
+        F.linear(torch.relu(F.linear(lerp, key)).square(), value)
 
     def fused():
         k = decode_matmul(x, key, (Segment(FFN, 0, "sqrelu"),), norm="layer", norm_weight=ln_w, norm_bias=ln_b,

@@ -25,7 +25,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.runtime.jit import JITFunction, mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 H100 = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
@@ -65,6 +66,8 @@ def specialization(kernel, values):
             signature[p.name] = POINTER_TYPES[v.dtype]
             if v.data_ptr() % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, TensorDescriptor):  # host-built tensor-memory-access descriptors
+            signature[p.name] = mangle_type(v)
         elif isinstance(v, bool):
             signature[p.name] = "i1"
         elif isinstance(v, int):
@@ -157,12 +160,15 @@ def _token_shift_mix_launches():
     return launches
 
 
-def _squared_relu_launches():
-    from flame.ops.squared_relu import squared_relu_triton
+def _squared_relu_mlp_launches():
+    from flame.ops.squared_relu import squared_relu_mlp_triton
 
     launches = record_launches()
-    x = torch.zeros(64, 192, dtype=torch.bfloat16, requires_grad=True)
-    torch.autograd.grad(squared_relu_triton.squared_relu_triton(x).float().sum(), [x])
+    x = torch.zeros(256, 128, dtype=torch.bfloat16, requires_grad=True)
+    w_key = torch.zeros(512, 128, dtype=torch.bfloat16, requires_grad=True)
+    w_value = torch.zeros(128, 512, dtype=torch.bfloat16, requires_grad=True)
+    out = squared_relu_mlp_triton.squared_relu_mlp_triton(x, w_key, w_value)
+    torch.autograd.grad(out.float().sum(), [x, w_key, w_value])
     return launches
 
 
@@ -189,7 +195,7 @@ CASES = {
     "gsa_fused_recurrent_bf16": lambda: _launches(
         _op("gsa.fused_recurrent_triton", "fused_recurrent_gsa_triton"), "gsa", torch.bfloat16),
     "token_shift_mix_bf16": _token_shift_mix_launches,
-    "squared_relu_bf16": _squared_relu_launches,
+    "squared_relu_mlp_bf16": _squared_relu_mlp_launches,
 }
 
 

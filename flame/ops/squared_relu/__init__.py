@@ -1,7 +1,6 @@
-"""The squared ReLU of the RWKV channel mixes, relu(x)^2, with a backward that reads only its output;
-and the channel mix's key product, squared ReLU and value product as one op."""
+"""The RWKV channel mixes' key product, squared ReLU and value product, relu(x W_k^T)^2 W_v^T, as one op
+whose Triton form computes the activation in the products' epilogues."""
 
-from .squared_relu import squared_relu
 from .squared_relu_mlp import squared_relu_mlp
 
-__all__ = ["squared_relu", "squared_relu_mlp"]
+__all__ = ["squared_relu_mlp"]

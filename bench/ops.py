@@ -295,6 +295,40 @@ register(BenchOp(
 
 
 # ------------------------------------------------------------------------------------------------
+# The RWKV channel mix: relu(x W_k^T)^2 W_v^T, flame's squared_relu_mlp (the activation in the Triton
+# products' epilogues) against the same formula compiled by Inductor (cuBLAS products, one fused
+# elementwise kernel each way), at the shipped configs' shapes per micro-batch: rwkv7_340M (8 x 2048
+# tokens, C 1024, F 4C), rwkv7_1B (4 x 2048, C 2048), rwkv6_340M (F 3.5 C)
+
+def _channel_mix_inputs(dtype, device, M, C, F):
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {
+        "x": torch.randn(M, C, device=device, generator=gen).to(dtype).requires_grad_(True),
+        "w_key": (torch.randn(F, C, device=device, generator=gen) / C**0.5).to(dtype).requires_grad_(True),
+        "w_value": (torch.randn(C, F, device=device, generator=gen) / F**0.5).to(dtype).requires_grad_(True),
+    }
+
+
+def _flame_squared_relu_mlp(x):
+    from flame.ops import squared_relu_mlp
+    return squared_relu_mlp(x["x"], x["w_key"], x["w_value"], backend="triton")
+
+
+def _inductor_squared_relu_mlp():
+    composed = torch.compile(lambda x, w_key, w_value: F.linear(torch.relu(F.linear(x, w_key)).square(), w_value))
+    return lambda x: composed(x["x"], x["w_key"], x["w_value"])
+
+
+register(BenchOp(
+    name="squared_relu_mlp",
+    shapes=(dict(M=16384, C=1024, F=4096), dict(M=8192, C=2048, F=8192), dict(M=16384, C=1024, F=3584)),
+    make_inputs=_channel_mix_inputs,
+    flame=_flame_squared_relu_mlp,
+    peers=(("inductor", _inductor_squared_relu_mlp),),
+))
+
+
+# ------------------------------------------------------------------------------------------------
 # launch-option variants
 
 def parse_launch(spec: str) -> tuple[str, dict]:

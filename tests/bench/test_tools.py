@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +101,7 @@ def test_every_gpu_tool_refuses_a_cpu(tool, monkeypatch):
 def test_ops_names_its_libraries_before_looking_for_a_gpu():
     from bench import ops
 
-    with pytest.raises(SystemExit, match="flame, fla, rwkvlm, rwkvlm_h100, not 'flame,nope'"):
+    with pytest.raises(SystemExit, match="flame, fla, rwkvlm, rwkvlm_h100, inductor, not 'flame,nope'"):
         ops.main(["--libs", "flame,nope"])
 
 
@@ -118,6 +119,17 @@ def test_ops_leaves_out_a_library_it_cannot_load_and_says_why_once(tmp_path, mon
     assert set(unavailable) == {"rwkvlm", "rwkvlm_h100"}
     assert all(str(tmp_path) in why for why in unavailable.values()), unavailable
     assert capsys.readouterr().out.count("not available") == 2
+
+
+def test_ops_channel_mix_entry_runs_flames_op_and_its_composition():
+    """bench.ops' squared_relu_mlp entry on a small shape on CPU: flame's callable (the Triton
+    kernels under the interpreter) and the composed peer give the same output."""
+    from bench import ops
+
+    op = ops.REGISTRY["squared_relu_mlp"]
+    inputs = op.make_inputs(torch.float32, "cpu", M=40, C=32, F=64)
+    composed = dict(ops.load_callables(op, {"inductor"}, {}))["inductor"]
+    torch.testing.assert_close(op.flame(inputs), composed(inputs), rtol=1e-5, atol=1e-5)
 
 
 def test_ops_prints_a_line_per_library_with_flames_time_over_its():

@@ -65,6 +65,16 @@ def test_leading_dimensions_are_kept(small_tiles):
     assert_close("out", _reference(x, w_key, w_value, dout)[0].view(2, 9, 16), out, 1e-6)
 
 
+def test_inputs_that_start_off_16_bytes_are_copied_for_the_descriptors(small_tiles):
+    """x as a view one element into a buffer (its rows still 16-byte multiples): the descriptors need
+    a 16-byte aligned start, so the op copies it rather than fail."""
+    x, w_key, w_value, dout = _inputs(24, 16, 32, 16, torch.float32)
+    buffer = torch.empty(x.numel() + 1, device=DEVICE, dtype=x.dtype)
+    shifted = buffer[1:].view_as(x).copy_(x)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
+    _check(shifted, w_key, w_value, dout, RATIO[torch.float32])
+
+
 def test_widths_the_descriptors_refuse_run_the_composition():
     """Row widths that are not multiples of 8 elements (16 bytes of bf16) go to the PyTorch
     composition, with the same results."""

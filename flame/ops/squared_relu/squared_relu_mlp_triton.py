@@ -76,6 +76,12 @@ def _matmul_epilogue_kernel(a_desc, b_desc, y_desc, out_desc, M, N, K,
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where its data does not start on 16 bytes, as a descriptor's base must (a
+    view into a larger buffer can start anywhere)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def matmul_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: int, y: torch.Tensor | None = None,
                     b_transposed: bool = False) -> torch.Tensor:
     """epilogue(a @ b) as a new [M, N] tensor of a's dtype, for a [M, K] row-major and b [K, N]
@@ -86,10 +92,11 @@ def matmul_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: int, y: torch.Te
     out = torch.empty(M, N, device=a.device, dtype=a.dtype)
     if M == 0 or N == 0:
         return out
+    a, b = _aligned(a), _aligned(b)
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K])
     b_desc = TensorDescriptor.from_tensor(b, [BLOCK_N, BLOCK_K] if b_transposed else [BLOCK_K, BLOCK_N])
     out_desc = TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N])
-    y_desc = out_desc if y is None else TensorDescriptor.from_tensor(y, [BLOCK_M, BLOCK_N])
+    y_desc = out_desc if y is None else TensorDescriptor.from_tensor(_aligned(y), [BLOCK_M, BLOCK_N])
     tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
     if PERSISTENT and a.device.type == "cuda":
         tiles = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)

@@ -5,7 +5,7 @@
 
 Triton compiles each kernel with the launch settings and block sizes the op ships at the 340M
 layer shape (RWKV7 and RWKV6: B8 T2048 H16 K=V=64, RWKV7 with the model's gate bound; GSA: H4
-K=V=256 M64; bf16) for the target, and ptxas (the one in Triton's wheel, run by Triton itself)
+K=V=256 M64; the channel mix's products with their squared-ReLU epilogues; bf16) for the target, and ptxas (the one in Triton's wheel, run by Triton itself)
 reports per kernel its registers per thread and the bytes it spills. No GPU is needed, so a change
 to a kernel's tiles or their live ranges can be checked in seconds on a laptop or in CI. Spills are
 a hint, not a timing: bench.launch_settings and bench.train_step on a GPU decide what ships
@@ -153,9 +153,31 @@ def _rwkv6_jobs() -> dict:
                            dict(num_warps=grads.DQKG_WARPS, num_stages=1))}
 
 
+def _mlp_jobs() -> dict:
+    """The RWKV channel mix's product with relu(.)^2 in its epilogue (squared_relu_mlp): the forward's
+    key product and the backward's dout W_v, bf16, with the shipped tiles."""
+    import triton.language as tl
+
+    from flame.ops.squared_relu import squared_relu_mlp_triton as mlp
+
+    BM, BN, BK = mlp.BLOCK_M, mlp.BLOCK_N, mlp.BLOCK_K
+
+    def desc(rows: int, cols: int) -> str:
+        return f"tensordesc<bf16[{rows}, {cols}]>"
+
+    types = {"a_desc": desc(BM, BK), "y_desc": desc(BM, BN), "out_desc": desc(BM, BN), "M": "i32", "N": "i32",
+             "K": "i32"}
+    const = dict(DT=tl.bfloat16, BM=BM, BN=BN, BK=BK, GROUP=mlp.GROUP_M)
+    options = dict(num_warps=mlp.NUM_WARPS, num_stages=mlp.NUM_STAGES)
+    return {"mlp.sqrelu_fwd": (mlp._matmul_epilogue_kernel, dict(const, EPILOGUE=mlp.SQRELU, B_TRANSPOSED=True),
+                               dict(types, b_desc=desc(BN, BK)), options),
+            "mlp.sqrelu_bwd": (mlp._matmul_epilogue_kernel, dict(const, EPILOGUE=mlp.SQRELU_GRAD, B_TRANSPOSED=False),
+                               dict(types, b_desc=desc(BK, BN)), options)}
+
+
 def jobs() -> dict:
     """{label: (kernel, constexprs, argument types, compile options)}."""
-    return {**_rwkv7_jobs(), **_rwkv6_jobs(), **_gsa_jobs()}
+    return {**_rwkv7_jobs(), **_rwkv6_jobs(), **_gsa_jobs(), **_mlp_jobs()}
 
 
 def main() -> int:

@@ -1,11 +1,13 @@
-"""Launch settings of flame's chunk kernels, one at a time around the shipped ones, by GPU kernel time.
+"""Launch settings of flame's chunk kernels and of the channel mix's product kernel, one at a time
+around the shipped ones, by GPU kernel time.
 
     python -m bench.launch_settings --ops chunk_rwkv6,chunk_gsa --out launch.json
     python -m bench.launch_settings --ops chunk_rwkv7_cached --only stages    # a subset of the variants
+    python -m bench.launch_settings --ops squared_relu_mlp
 
 Each variant changes one launch setting (a sub-chunk, a warp count, a pipeline depth or a block width
 that the kernels' modules expose as constants or keyword arguments) and times the op's forward and
-backward at the 340M layer shape, bf16: the GPU time of each kernel over `--iters` calls under
+backward at the 340M layer shape (squared_relu_mlp: one micro-batch of rwkv7_340M's channel mix), bf16: the GPU time of each kernel over `--iters` calls under
 torch.profiler after two warm-up calls (bench.timing's `profile_forward_backward` and
 `kernel_times`). Kernel time, not wall time: a fwd+bwd of a few ms through autograd is partly
 host-bound, and a wall-clock timer measures the host's load as much as the kernels
@@ -23,7 +25,8 @@ from bench.timing import grad_leaves, kernel_times, profile_forward_backward, re
 
 SHAPES = {"chunk_rwkv6": dict(B=8, T=2048, H=16, K=64, V=64),
           "chunk_gsa": dict(B=8, T=2048, H=4, K=256, V=256, M=64),
-          "chunk_rwkv7_cached": dict(B=8, T=2048, H=16, K=64, V=64)}
+          "chunk_rwkv7_cached": dict(B=8, T=2048, H=16, K=64, V=64),
+          "squared_relu_mlp": dict(M=16384, C=1024, F=4096)}
 
 
 def kernel_ms(fn: Callable[[dict], object], inputs: dict, iters: int) -> dict[str, float]:
@@ -73,6 +76,21 @@ def _rwkv7_variants() -> dict[str, tuple[object, str, object]]:
     return out
 
 
+def _mlp_variants() -> dict[str, tuple[object, str, object]]:
+    """The channel mix's product kernel (squared_relu_mlp): its tile's rows, columns and reduction step,
+    pipeline stages, L2 grouping and persistent programs. Each variant fits an H100's shared memory and
+    registers with the other settings shipped; 4 warps do not (a 128 x 256 fp32 accumulator spills 2 KB
+    per thread; `python -m bench.registers --only mlp` reads that on any machine)."""
+    from flame.ops.squared_relu import squared_relu_mlp_triton as mlp
+
+    out: dict[str, tuple[object, str, object]] = {}
+    for name, values in (("BLOCK_M", (64,)), ("BLOCK_N", (128,)), ("BLOCK_K", (32,)), ("NUM_STAGES", (2,)),
+                         ("GROUP_M", (4, 16)), ("PERSISTENT", (False,))):
+        for value in values:
+            out[f"{name} {value}"] = (mlp, name, value)
+    return out
+
+
 def variants(op: str) -> dict[str, tuple[object, str, object]]:
     """{label: (module, attribute, value)}: one launch setting each (a sub-chunk or warp count as a
     keyword argument of the function the op calls, or a module constant set to another value)."""
@@ -82,6 +100,8 @@ def variants(op: str) -> dict[str, tuple[object, str, object]]:
 
     if op == "chunk_rwkv7_cached":
         return _rwkv7_variants()
+    if op == "squared_relu_mlp":
+        return _mlp_variants()
 
     family = {"chunk_rwkv6": rwkv6, "chunk_gsa": gsa}[op]
     out: dict[str, tuple[object, str, object]] = {}

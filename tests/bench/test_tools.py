@@ -171,7 +171,7 @@ def test_rwkvlm_train_refuses_to_profile_every_step(tmp_path):
         train(None, "unused.pth", tmp_path, 5, kernel="@rwkv3", jit=True, profile_steps=5)
 
 
-@pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached"])
+@pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached", "squared_relu_mlp"])
 def test_launch_settings_vary_settings_the_kernels_read(op):
     """Every variant replaces a module attribute that exists and holds a value of the kind it
     sets (a constant of the same type, or the function the op calls), so that a renamed constant
@@ -179,9 +179,10 @@ def test_launch_settings_vary_settings_the_kernels_read(op):
     from bench import launch_settings
     from bench.ops import REGISTRY
 
-    assert op in REGISTRY and set(launch_settings.SHAPES) == {"chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached"}
+    assert op in REGISTRY and set(launch_settings.SHAPES) == {"chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached",
+                                                              "squared_relu_mlp"}
     found = launch_settings.variants(op)
-    assert len(found) >= 13
+    assert len(found) >= (7 if op == "squared_relu_mlp" else 13)
     for label, (module, name, value) in found.items():
         shipped = getattr(module, name)
         assert callable(value) if callable(shipped) else type(value) is type(shipped) and value != shipped, label

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 import triton
 
 from bench.timing import require_cuda
+from flame.ops import squared_relu_mlp
 from flame.ops.decode_matmul import Segment, decode_matmul
 from flame.ops.decode_matmul import decode_matmul_triton as kernel_module
 from flame.ops.decode_matmul.decode_matmul import decode_matmul_torch
@@ -118,7 +119,7 @@ def case_ffn(B, device):
         normed = F.layer_norm(x, (C,), ln_w, ln_b, 1e-5)
         lerp = torch.addcmul(normed, prev - normed, mu[0])
         prev.copy_(normed)
-        F.linear(torch.relu(F.linear(lerp, key)).square(), value)
+        squared_relu_mlp(lerp, key, value, backend="torch")
 
     def fused():
         k = decode_matmul(x, key, (Segment(FFN, 0, "sqrelu"),), norm="layer", norm_weight=ln_w, norm_bias=ln_b,

@@ -315,7 +315,8 @@ def _flame_squared_relu_mlp(x):
 
 
 def _inductor_squared_relu_mlp():
-    composed = torch.compile(lambda x, w_key, w_value: F.linear(torch.relu(F.linear(x, w_key)).square(), w_value))
+    from flame.ops import squared_relu_mlp
+    composed = torch.compile(lambda x, w_key, w_value: squared_relu_mlp(x, w_key, w_value, backend="torch"))
     return lambda x: composed(x["x"], x["w_key"], x["w_value"])
 
 

@@ -5,8 +5,9 @@
 
 Triton compiles each kernel with the launch settings and block sizes the op ships at the 340M
 layer shape (RWKV7 and RWKV6: B8 T2048 H16 K=V=64, RWKV7 with the model's gate bound; GSA: H4
-K=V=256 M64; the channel mix's products with their squared-ReLU epilogues; bf16) for the target, and ptxas (the one in Triton's wheel, run by Triton itself)
-reports per kernel its registers per thread and the bytes it spills. No GPU is needed, so a change
+K=V=256 M64; the channel mix's products with their squared-ReLU epilogues; bf16) for the target,
+and ptxas (the one in Triton's wheel, run by Triton itself) reports per kernel its registers per
+thread and the bytes it spills. No GPU is needed, so a change
 to a kernel's tiles or their live ranges can be checked in seconds on a laptop or in CI. Spills are
 a hint, not a timing: bench.launch_settings and bench.train_step on a GPU decide what ships
 (bench/RESULTS.md, "Chunk kernels' launch settings"). Run it without TRITON_INTERPRET: under the
@@ -56,9 +57,8 @@ def parse_ptxas_log(log: str, kernel_name: str) -> tuple[int, int, int, int]:
 def _signature(fn, constexprs: dict, types: dict) -> tuple[dict, dict, dict]:
     """Triton's (signature, constexprs, attributes) of `fn` (a JITFunction): `types` names the
     kernel's own types, over the chunk tables' and scale's (`_TABLE_TYPES`); every other argument is
-    an fp32 pointer. Pointers and i32 arguments are
-    marked divisible by 16, as Triton specializes them at the launches timed (torch's allocations
-    and head sizes that are multiples of 16)."""
+    an fp32 pointer. Pointers and i32 arguments are marked divisible by 16, as Triton specializes
+    them at the launches timed (torch's allocations and head sizes that are multiples of 16)."""
     names = list(inspect.signature(fn.fn).parameters)
     types = {**_TABLE_TYPES, **types}
     signature = {name: "constexpr" if name in constexprs else types.get(name, "*fp32") for name in names}

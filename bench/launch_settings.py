@@ -91,9 +91,10 @@ def _mlp_variants() -> dict[str, tuple[object, str, object]]:
     return out
 
 
-def variants(op: str) -> dict[str, tuple[object, str, object]]:
-    """{label: (module, attribute, value)}: one launch setting each (a sub-chunk or warp count as a
-    keyword argument of the function the op calls, or a module constant set to another value)."""
+def variants(op: str) -> dict[str, tuple[object, str, object] | list[tuple[object, str, object]]]:
+    """{label: (module, attribute, value), or a list of them set together}: one launch setting each (a
+    sub-chunk or warp count as a keyword argument of the function the op calls, or a module constant
+    set to another value)."""
     from flame.ops.common.chunk_triton import grads, output, state
     from flame.ops.gsa import chunk_triton as gsa
     from flame.ops.rwkv6 import chunk_triton as rwkv6
@@ -112,6 +113,14 @@ def variants(op: str) -> dict[str, tuple[object, str, object]]:
     for warps in (2, 4, 8):
         out[f"dq/dk/dg warps {warps}"] = (family, "chunk_dqkg_from_dA",
                                           _with_kwargs(family.chunk_dqkg_from_dA, num_warps=warps))
+    if op == "chunk_rwkv6":
+        # narrower K blocks of the dq/dk/dg kernel: half or a quarter of its [BT, BK] fp32 tiles per
+        # program (its 64-wide blocks spill at 4 warps: `python -m bench.registers --only dqkg`), alone
+        # and at 8 warps. RWKV6 only: GSA's second pass at these blocks stops at an illegal memory
+        # access (triton 3.6, bench/RESULTS.md)
+        for block in (32, 16):
+            out[f"DQKG_BLOCK_K {block}"] = (grads, "DQKG_BLOCK_K", block)
+            out[f"DQKG_BLOCK_K {block}, 8 warps"] = [(grads, "DQKG_BLOCK_K", block), (grads, "DQKG_WARPS", 8)]
     for module, name, values in ((grads, "DV_WARPS", (2, 8)), (state, "WALK_WARPS", (2, 8)),
                                  (state, "WALK_STAGES", (1, 2, 4)), (state, "WALK_BLOCK", (32, 128)),
                                  (output, "OUTPUT_WARPS", (2, 8))):
@@ -145,16 +154,19 @@ def sweep(op: str, iters: int, only: str = "") -> dict[str, dict]:
 
     shipped_grads = grads()
     results = {"shipped": {"kernels": kernel_ms(bench_op.flame, inputs, iters), "grad_diff": 0.0}}
-    for label, (module, name, value) in variants(op).items():
+    for label, settings in variants(op).items():
         if only not in label:
             continue
-        shipped = getattr(module, name)
-        setattr(module, name, value)
+        settings = settings if isinstance(settings, list) else [settings]
+        shipped = [getattr(module, name) for module, name, _ in settings]
+        for module, name, value in settings:
+            setattr(module, name, value)
         try:
             diff = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads(), shipped_grads))
             results[label] = {"kernels": kernel_ms(bench_op.flame, inputs, iters), "grad_diff": diff}
         finally:
-            setattr(module, name, shipped)
+            for (module, name, _), value in zip(settings, shipped):
+                setattr(module, name, value)
     return results
 
 

@@ -69,7 +69,7 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch):
 GPU_TOOLS = {  # tool: its arguments of a GPU measurement
     "train_step": [], "scale": ["--configs", "configs/tiny.toml"], "loss": ["--device", "cuda"],
     "generate": [], "ops": [], "decode_matmul": [], "decode_matmul --sweep": ["--sweep"], "dp_proofs": [],
-    "launch_settings": [],
+    "launch_settings": [], "matmul_shapes": [],
 }
 
 
@@ -183,9 +183,10 @@ def test_launch_settings_vary_settings_the_kernels_read(op):
                                                               "squared_relu_mlp"}
     found = launch_settings.variants(op)
     assert len(found) >= (7 if op == "squared_relu_mlp" else 13)
-    for label, (module, name, value) in found.items():
-        shipped = getattr(module, name)
-        assert callable(value) if callable(shipped) else type(value) is type(shipped) and value != shipped, label
+    for label, settings in found.items():
+        for module, name, value in (settings if isinstance(settings, list) else [settings]):
+            shipped = getattr(module, name)
+            assert callable(value) if callable(shipped) else type(value) is type(shipped) and value != shipped, label
 
 
 def test_launch_settings_set_rwkv7_plan_attributes_the_plan_has():
@@ -208,3 +209,19 @@ def test_launch_settings_set_rwkv7_plan_attributes_the_plan_has():
             changed = {k for k in shipped if settings(plan)[k] != shipped[k]}
             assert set(settings(plan)) == set(shipped) and changed == ({name, "NV"} if name == "BV" else {name}), \
                 (label, changed)
+
+
+def test_matmul_shapes_counts_flops_and_groups_calls_by_shapes():
+    """bench.matmul_shapes: FLOPs from the recorded shapes (addmm's bias first, bmm's batch) and one
+    row per (op, shapes) with its calls and GPU time summed; other ops ignored."""
+    from types import SimpleNamespace
+
+    from bench.matmul_shapes import product_flops, product_table
+
+    assert product_flops("aten::mm", [(4, 3), (3, 5)]) == 2 * 4 * 3 * 5
+    assert product_flops("aten::addmm", [(5,), (4, 3), (3, 5)]) == 2 * 4 * 3 * 5
+    assert product_flops("aten::bmm", [(2, 4, 3), (2, 3, 5)]) == 2 * 2 * 4 * 3 * 5
+    event = lambda name, shapes, us: SimpleNamespace(name=name, input_shapes=shapes, device_time_total=us)  # noqa: E731
+    table = product_table([event("aten::mm", [[4, 3], [3, 5]], 2.0), event("aten::mm", [[4, 3], [3, 5]], 3.0),
+                           event("aten::mm", [[4, 3], [3, 6]], 1.0), event("aten::add", [[4], [4]], 9.0)])
+    assert table == {("aten::mm", "[(4, 3), (3, 5)]"): [5.0, 2, 240], ("aten::mm", "[(4, 3), (3, 6)]"): [1.0, 1, 144]}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import tomllib
 
 from bench.timing import require_cuda
 
@@ -58,14 +57,11 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from flame.config.job import Model
+    from flame.config import load_config
     from flame.models import build_model
 
-    with open(args.config, "rb") as f:
-        config = tomllib.load(f)
-    model_keys = config["model"]
-    seq_len = config.get("training", {}).get("seq_len", 2048)
-    model_args = Model(**{k: v for k, v in model_keys.items() if k in Model.__dataclass_fields__})
+    config = load_config(["--config", args.config])
+    model_args, seq_len = config.model, config.training.seq_len
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build_model(model_args)

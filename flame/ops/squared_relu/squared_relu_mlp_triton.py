@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..common.chunk_triton.intra import INTERPRET
+from ..common.chunk_triton.intra import INTERPRET, mm
 
 SQRELU = 0
 SQRELU_GRAD = 1
@@ -35,13 +35,10 @@ PERSISTENT = True
 
 @triton.jit
 def _dot_acc(a, b, acc, DT: tl.constexpr):
-    """acc + a @ b, fp32 accumulation: fp32 operands in full fp32; under the interpreter (whose
-    tl.dot on 16-bit operands is wrong) the 16-bit operands upcast, exactly as the tensor cores
-    multiply them."""
-    if DT == tl.float32:
-        return acc + tl.dot(a, b, input_precision="ieee")
-    elif INTERPRET:
-        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    """acc + a @ b with fp32 accumulation: the chunk kernels' `mm` for fp32 operands and under the
+    interpreter; on the GPU the accumulator goes into the tensor-core product itself."""
+    if DT == tl.float32 or INTERPRET:
+        return acc + mm(a, b, DT)
     else:
         return tl.dot(a, b, acc)
 

@@ -5,6 +5,9 @@ the replicate group under HSDP). The norm works on their local shards: one fused
 norm over every local gradient, the squares summed, one all-reduce over the shard group (the
 replicas hold equal gradients), then one fused multiply when the norm exceeds the limit. Going
 through the DTensor dispatcher instead costs a sharding propagation per parameter on the host.
+A caller whose fused AdamW applies the clip (its `grad_scale`, `clip_coefficient`) skips the
+multiply: the optimizer divides each gradient by 1 / coefficient as it reads it, which saves a
+pass over every fp32 gradient.
 
 The per-parameter norms stay on the device: they name the first non-finite gradient of a
 skipped step after the gradients themselves are gone.
@@ -31,6 +34,8 @@ class GradNorms:
     total: torch.Tensor
     per_param: torch.Tensor | None
     names: list[str]
+    coefficient: torch.Tensor | None = None
+    """The clipping factor min(1, max_norm / (total + 1e-6)) (device), None without a limit."""
 
     def first_nonfinite(self) -> str | None:
         """Name of the first parameter whose gradient (this rank's shard) is not finite; syncs."""
@@ -40,11 +45,17 @@ class GradNorms:
         return self.names[bad[0]] if bad else None
 
 
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that brings a gradient norm `total` to at most `max_norm`: min(1, max_norm / (total + 1e-6))."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 @torch.no_grad()
-def clip_grad_norm(named_params, max_norm: float, shard_group=None) -> GradNorms:
+def clip_grad_norm(named_params, max_norm: float, shard_group=None, scale: bool = True) -> GradNorms:
     """Scale the gradients so that their global L2 norm is at most `max_norm` (math.inf: leave
-    them); returns the norm before clipping. `shard_group`: the process group over which the
-    gradients are sharded (None: they are whole on this rank)."""
+    them); returns the norm before clipping and the clipping factor. `shard_group`: the process
+    group over which the gradients are sharded (None: they are whole on this rank). `scale`
+    False: only compute the factor; the caller applies it (fused AdamW's `grad_scale`)."""
     names, grads = [], []
     for name, param in named_params:
         if param.grad is not None:
@@ -58,11 +69,13 @@ def clip_grad_norm(named_params, max_norm: float, shard_group=None) -> GradNorms
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         dist.all_reduce(squares, group=shard_group)
     total = squares.sqrt()
+    coef = None
     if max_norm != math.inf:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm)
+    if coef is not None and scale:
         by_device: dict[tuple, list[torch.Tensor]] = {}
         for grad in grads:
             by_device.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, dtype), group in by_device.items():
             torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
-    return GradNorms(total, per_param, names)
+    return GradNorms(total, per_param, names, coef)

@@ -7,7 +7,8 @@ count, known before the first forward, and the micro-batches' gradients are summ
 (`flame.train.accumulation` where FSDP does not shard the model, FSDP's own hooks where it does,
 scheduled over the micro-batches by `flame.train.fsdp.MicroBatchSchedule`).
 `launch` then queues the gradient norm and clipping, the global loss and, with fused AdamW, the
-update behind a device-side finite check: fused AdamW skips an update whose `found_inf` flag is
+update behind a device-side finite check (fused AdamW then also applies the clip, as its
+`grad_scale`): fused AdamW skips an update whose `found_inf` flag is
 set, so a non-finite step changes nothing on any rank (the loss and the norm are global, so every
 rank sets the same flag). `resolve` reads the loss and the norm, the step's one host sync, which
 waits for those two numbers and not for the work queued after them (`flame.train.readback`), and
@@ -203,17 +204,22 @@ class StepPipeline:
     def launch(self, gradients: Gradients) -> LaunchedStep:
         """Queue the rest of the step: the gradient norm and clipping by it, the global loss and,
         with fused AdamW, the update behind the device-side finite check."""
-        norms = clip_grad_norm(self.model.named_parameters(), self.max_norm, self.parallel.shard_group)
+        queued = self.fused_update and gradients.valid_tokens > 0
+        # a queued update clips in fused AdamW, which divides every gradient by `grad_scale` as it reads it
+        norms = clip_grad_norm(self.model.named_parameters(), self.max_norm, self.parallel.shard_group,
+                               scale=not queued)
         loss = self.parallel.all_reduce_sum(gradients.loss_sum)
         numbers = DeviceScalars(loss, norms.total)
-        queued = self.fused_update and gradients.valid_tokens > 0
         if queued:
             finite = torch.isfinite(loss) & torch.isfinite(norms.total)
             self.optimizer.found_inf = (~finite).float()  # read by fused AdamW: skip the update
+            if norms.coefficient is not None:
+                self.optimizer.grad_scale = norms.coefficient.reciprocal()
             try:
                 self.optimizer.step()
             finally:
                 self.optimizer.found_inf = None
+                self.optimizer.grad_scale = None
             self.zero_grad()
         return LaunchedStep(gradients.micro_batches, norms, numbers, gradients.valid_tokens,
                             self.current_lr(), queued)

@@ -61,6 +61,17 @@ def _plain_scores(q, k, t0, Tc, i_h, scale, H: tl.constexpr, K: tl.constexpr, BT
 
 
 @triton.jit
+def _diagonal_blocks(A, BT: tl.constexpr, BC: tl.constexpr):
+    """The BT // BC diagonal BC x BC sub-blocks of A [BT, BT]: D [NB, BC, BC], D[s, i, j] = A[sBC + i, sBC + j].
+    The pair-by-pair loops of the diagonal sub-blocks read their entries of A from D, an eighth of A's
+    registers at BT = 64, BC = 16, so that A itself need not stay live through them."""
+    NB: tl.constexpr = BT // BC
+    A4 = tl.reshape(A, [NB, BC, NB, BC])
+    same = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]
+    return tl.sum(tl.where(same, A4, 0.0), axis=2)
+
+
+@triton.jit
 def _column_gated_read(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
                        BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
     """Y[tau, m] = sum_{j <= tau} A[tau, j] x[j, m] exp(G[tau, m] - G[j, m])   (A lower triangular).
@@ -69,11 +80,12 @@ def _column_gated_read(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
     exp(G_tau - G_n) <= 1 (tau >= n) and exp(G_n - G_j) <= 1 (j <= n); diagonal sub-blocks pair by pair.
     """
     rows = tl.arange(0, BT)
-    cols = tl.arange(0, BT)
     m_t = rows < Tc
     blk = rows // BC
     cm = tl.arange(0, BM)
     m_m = cm < M
+    D = _diagonal_blocks(A, BT, BC)
+    A = A.to(DT)  # from here an operand of `mm` only, which rounds it to DT
     gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
     xx = load_rows(x, t0, rows, m_t, i_h, cm, m_m, H, M)
     Y = tl.zeros([BT, BM], dtype=tl.float32)
@@ -82,20 +94,22 @@ def _column_gated_read(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
         gn = load_row(gc, t0, ref, i_h, cm, m_m, H, M)
         xs = xx * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gq, float("-inf")))
         Y += mm(A, xs, DT) * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
+    c_in_block = tl.arange(0, BC)[None, None, :]
     for c in range(0, BC):
         j = blk * BC + c
         m_j = (j <= rows) & m_t
         xj = load_rows(x, t0, j, m_j, i_h, cm, m_m, H, M)
         gj = load_rows(gc, t0, j, m_j, i_h, cm, m_m, H, M)
-        a_j = tl.sum(tl.where(cols[None, :] == j[:, None], A, 0.0), axis=1)       # A[tau, j(tau)]
+        a_j = tl.reshape(tl.sum(tl.where(c_in_block == c, D, 0.0), axis=2), [BT])  # A[tau, j(tau)]
         Y += a_j[:, None] * xj * tl.exp2(tl.where(m_j[:, None], gq - gj, float("-inf")))
     return Y
 
 
 @triton.jit
-def _column_gated_read_t(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
+def _column_gated_read_t(A, x, Y, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
                          BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, DT: tl.constexpr):
-    """Y[j, m] = sum_{tau >= j} A[tau, j] x[tau, m] exp(G[tau, m] - G[j, m])   (the transposed read).
+    """Y + Y'[j, m] with Y'[j, m] = sum_{tau >= j} A[tau, j] x[tau, m] exp(G[tau, m] - G[j, m]) (the transposed
+    read; Y [BT, BM] fp32 is the caller's accumulator, so that no other tile of it stays live here).
 
     Off-diagonal sub-blocks: reference n = the last row of key sub-chunk s (tau > n >= j).
     """
@@ -104,21 +118,23 @@ def _column_gated_read_t(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr
     blk = rows // BC
     cm = tl.arange(0, BM)
     m_m = cm < M
+    D = _diagonal_blocks(A, BT, BC)
+    A = A.to(DT)  # from here an operand of `mm` only, which rounds it to DT
     gk = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
     xx = load_rows(x, t0, rows, m_t, i_h, cm, m_m, H, M)
-    Y = tl.zeros([BT, BM], dtype=tl.float32)
     for s in tl.static_range(0, BT // BC - 1):
         ref = tl.minimum(s * BC + BC - 1, Tc - 1)
         gn = load_row(gc, t0, ref, i_h, cm, m_m, H, M)
         xs = xx * tl.exp2(tl.where(((rows >= (s + 1) * BC) & m_t)[:, None], gk - gn[None, :], float("-inf")))
         Y += mm(tl.trans(A), xs, DT) * tl.exp2(
             tl.where(((blk == s) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
+    c_in_block = tl.arange(0, BC)[None, :, None]
     for c in range(0, BC):
         i = blk * BC + c
         m_i = (i >= rows) & (i < Tc) & m_t
         xi = load_rows(x, t0, i, m_i, i_h, cm, m_m, H, M)
         gi = load_rows(gc, t0, i, m_i, i_h, cm, m_m, H, M)
-        a_i = tl.sum(tl.where(rows[:, None] == i[None, :], A, 0.0), axis=0)       # A[i(j), j]
+        a_i = tl.reshape(tl.sum(tl.where(c_in_block == c, D, 0.0), axis=1), [BT])  # A[i(j), j]
         Y += a_i[:, None] * xi * tl.exp2(tl.where(m_i[:, None], gi - gk, float("-inf")))
     return Y
 
@@ -180,16 +196,17 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_
     cm = tl.arange(0, BM)
     m_m = cm < M
 
-    A = _plain_scores(q, k, t0, Tc, i_h, scale, H, K, BT, BK, DT)
     # dA[tau, j] = sum_m dz[tau, m] s[j, m] exp(G[tau, m] - G[j, m]), j <= tau: the core's intra matrix
-    dA = intra_chunk_matrix(dz, s, gc, s, t0, Tc, i_h, 1.0, H, M, BT, BC, BM, False, False, DT)
-    # Only the tiles the K loop reads are formed before it: s, z, dz and the gates are loaded again after
-    # it (cache hits), as holding them over the loop spills registers.
+    dA = intra_chunk_matrix(dz, s, gc, s, t0, Tc, i_h, 1.0, H, M, BT, BC, BM, False, False, DT).to(DT)
+    # Only the tiles the K loop reads are live over it, and those that enter its products only are held
+    # in the product dtype DT (`mm` rounds its operands to DT: the same numbers, half the registers for
+    # 16-bit DT). s, z, dz and the gates are loaded again after the loop (cache hits), and the plain
+    # scores A are formed there: holding them over the loop spills registers.
     gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
     gl = load_row(gc, t0, Tc - 1, i_h, cm, m_m, H, M)
     e_gq = tl.exp2(tl.where(m_t[:, None], gq, float("-inf")))
-    dz_in = load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M) * e_gq * scale
-    s_end = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M) * _to_chunk_end(gl, gq, m_t)
+    dz_in = (load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M) * e_gq * scale).to(DT)
+    s_end = (load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M) * _to_chunk_end(gl, gq, m_t)).to(DT)
     ds_state = tl.zeros([BT, BM], dtype=tl.float32)
     h_dh = tl.zeros([BM], dtype=tl.float32)
     state = (i_c.to(tl.int64) * H + i_h) * M * K
@@ -197,23 +214,27 @@ def _slots_bwd_kernel(q, k, s, gc, h, dh, z, dz, ds_v, dg_v, dq, dk, ds, dg, cu_
         ck = i_k * BK + tl.arange(0, BK)
         m_k = ck < K
         m_mk = m_m[:, None] & m_k[None, :]
-        qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
-        kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
-        hT = tl.load(h + state + cm[:, None] * K + ck[None, :], mask=m_mk, other=0.0)
-        dhT = tl.load(dh + state + cm[:, None] * K + ck[None, :], mask=m_mk, other=0.0)
-        dq_ = mm(dA, kk, DT) * scale + mm(dz_in, hT, DT)
-        dk_ = mm(tl.trans(dA), qq, DT) * scale + mm(s_end, dhT, DT)
-        ds_state += mm(kk, tl.trans(dhT), DT)
+        s_off = state + cm[:, None] * K + ck[None, :]
+        hT = tl.load(h + s_off, mask=m_mk, other=0.0)
+        dhT = tl.load(dh + s_off, mask=m_mk, other=0.0)
         h_dh += tl.sum(hT * dhT, axis=1)
+        hT = hT.to(DT)
+        dhT = dhT.to(DT)
+        kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K).to(DT)
+        ds_state += mm(kk, tl.trans(dhT), DT)
+        dq_ = mm(dA, kk, DT) * scale + mm(dz_in, hT, DT)
         off = ((t0 + rows)[:, None] * H + i_h) * K + ck[None, :]
         m = m_t[:, None] & m_k[None, :]
         tl.store(dq + off, dq_.to(dq.dtype.element_ty), mask=m)
+        qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K).to(DT)
+        dk_ = mm(tl.trans(dA), qq, DT) * scale + mm(s_end, dhT, DT)
         tl.store(dk + off, dk_.to(dk.dtype.element_ty), mask=m)
     gq = load_rows(gc, t0, rows, m_t, i_h, cm, m_m, H, M)
     ds_state = ds_state * _to_chunk_end(gl, gq, m_t)
+    g_last = tl.exp2(gl) * h_dh + tl.sum(load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M) * ds_state, axis=0)
+    ds_ = _column_gated_read_t(_plain_scores(q, k, t0, Tc, i_h, scale, H, K, BT, BK, DT), dz, ds_state, gc, t0, Tc,
+                               i_h, H, M, BT, BC, BM, DT)
     ss = load_rows(s, t0, rows, m_t, i_h, cm, m_m, H, M)
-    g_last = tl.exp2(gl) * h_dh + tl.sum(ss * ds_state, axis=0)
-    ds_ = ds_state + _column_gated_read_t(A, dz, gc, t0, Tc, i_h, H, M, BT, BC, BM, DT)
     zz_dz = load_rows(z, t0, rows, m_t, i_h, cm, m_m, H, M) * load_rows(dz, t0, rows, m_t, i_h, cm, m_m, H, M)
     dg_ = tl.cumsum(zz_dz - ss * ds_, axis=0, reverse=True) + g_last[None, :]
     off = ((t0 + rows)[:, None] * H + i_h) * M + cm[None, :]

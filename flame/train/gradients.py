@@ -5,8 +5,8 @@ the replicate group under HSDP). The norm works on their local shards: one fused
 norm over every local gradient, the squares summed, one all-reduce over the shard group (the
 replicas hold equal gradients), then one fused multiply when the norm exceeds the limit. Going
 through the DTensor dispatcher instead costs a sharding propagation per parameter on the host.
-A caller whose fused AdamW applies the clip (its `grad_scale`, `clip_coefficient`) skips the
-multiply: the optimizer divides each gradient by 1 / coefficient as it reads it, which saves a
+A caller whose fused AdamW applies the clip passes `scale=False` and skips the multiply: the
+optimizer divides each gradient by 1 / factor (its `grad_scale`) as it reads it, which saves a
 pass over every fp32 gradient.
 
 The per-parameter norms stay on the device: they name the first non-finite gradient of a
@@ -45,11 +45,6 @@ class GradNorms:
         return self.names[bad[0]] if bad else None
 
 
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The factor that brings a gradient norm `total` to at most `max_norm`: min(1, max_norm / (total + 1e-6))."""
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
-
-
 @torch.no_grad()
 def clip_grad_norm(named_params, max_norm: float, shard_group=None, scale: bool = True) -> GradNorms:
     """Scale the gradients so that their global L2 norm is at most `max_norm` (math.inf: leave
@@ -69,9 +64,7 @@ def clip_grad_norm(named_params, max_norm: float, shard_group=None, scale: bool 
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         dist.all_reduce(squares, group=shard_group)
     total = squares.sqrt()
-    coef = None
-    if max_norm != math.inf:
-        coef = clip_coefficient(total, max_norm)
+    coef = None if max_norm == math.inf else torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if coef is not None and scale:
         by_device: dict[tuple, list[torch.Tensor]] = {}
         for grad in grads:

@@ -7,10 +7,9 @@ count, known before the first forward, and the micro-batches' gradients are summ
 (`flame.train.accumulation` where FSDP does not shard the model, FSDP's own hooks where it does,
 scheduled over the micro-batches by `flame.train.fsdp.MicroBatchSchedule`).
 `launch` then queues the gradient norm and clipping, the global loss and, with fused AdamW, the
-update behind a device-side finite check (fused AdamW then also applies the clip, as its
-`grad_scale`): fused AdamW skips an update whose `found_inf` flag is
+update behind a device-side finite check: fused AdamW skips an update whose `found_inf` flag is
 set, so a non-finite step changes nothing on any rank (the loss and the norm are global, so every
-rank sets the same flag). `resolve` reads the loss and the norm, the step's one host sync, which
+rank sets the same flag), and it applies the clip itself, as its `grad_scale`. `resolve` reads the loss and the norm, the step's one host sync, which
 waits for those two numbers and not for the work queued after them (`flame.train.readback`), and
 applies the update there when the optimizer cannot skip one on its own.
 

@@ -9,9 +9,10 @@ scheduled over the micro-batches by `flame.train.fsdp.MicroBatchSchedule`).
 `launch` then queues the gradient norm and clipping, the global loss and, with fused AdamW, the
 update behind a device-side finite check: fused AdamW skips an update whose `found_inf` flag is
 set, so a non-finite step changes nothing on any rank (the loss and the norm are global, so every
-rank sets the same flag), and it applies the clip itself, as its `grad_scale`. `resolve` reads the loss and the norm, the step's one host sync, which
-waits for those two numbers and not for the work queued after them (`flame.train.readback`), and
-applies the update there when the optimizer cannot skip one on its own.
+rank sets the same flag), and it applies the clip itself, as its `grad_scale`. `resolve` reads the
+loss and the norm, the step's one host sync, which waits for those two numbers and not for the work
+queued after them (`flame.train.readback`), and applies the update there when the optimizer cannot
+skip one on its own.
 
 The trainer's loop queues step N+1's forward and backward before it resolves step N, so the host's
 per-step work overlaps the device's. Step N+1's update is queued after step N is resolved: its LR

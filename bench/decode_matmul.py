@@ -177,18 +177,12 @@ def build_model(family: str, device, tiny: bool):
     init, bf16 on CUDA, fp32 on CPU with the Triton backend (the interpreter)."""
     import dataclasses
 
-    from bench.generate import model_args
-    from flame.models import build_model as build
+    from bench.generate import initialized_model, model_args
 
     args = model_args(family, tiny)
     if device.type != "cuda":
         args = dataclasses.replace(args, backend="triton")
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = build(args)
-    model.to_empty(device=device)
-    model.init_weights()
-    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    return initialized_model(args, device).to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
 
 
 def record_launches(models: dict, B: int) -> dict:

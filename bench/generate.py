@@ -72,18 +72,26 @@ def model_args(family: str, tiny: bool):
     return dataclasses.replace(args, **TINY) if tiny else args
 
 
-def build_flame(family: str, device, tiny: bool = False):
-    """flame's model of the family, random official init, bf16 (fp32 on CPU), eval mode."""
+def initialized_model(args, device):
+    """flame's model for the model keys `args`, built on the meta device and given its official
+    random init on `device` (seed 0), fp32: the benchmarks' untrained model."""
     import torch
 
     from flame.models import build_model
 
-    args = model_args(family, tiny)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device=device)
     model.init_weights()
+    return model
+
+
+def build_flame(family: str, device, tiny: bool = False):
+    """flame's model of the family, random official init, bf16 (fp32 on CPU), eval mode."""
+    import torch
+
+    model = initialized_model(model_args(family, tiny), device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return model.to(dtype).eval()
 

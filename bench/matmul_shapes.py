@@ -57,16 +57,12 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.generate import initialized_model
     from flame.config import load_config
-    from flame.models import build_model
 
     config = load_config(["--config", args.config])
     model_args, seq_len = config.model, config.training.seq_len
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = build_model(model_args)
-    model.to_empty(device="cuda")
-    model.init_weights()
+    model = initialized_model(model_args, torch.device("cuda"))
     ids = torch.randint(0, model_args.vocab_size, (args.batch, seq_len), device="cuda")
 
     def step():

@@ -147,9 +147,10 @@ def _rwkv6_jobs() -> dict:
     types = {name: "*bf16" for name in ("q", "k", "v", "do", "dq", "dk", "dv", "dg", "u")}
     types["H"] = "i32"
     const = dict(K=K, V=V, BT=CHUNK_SIZE, BV=BV, EXCLUSIVE=True, HAS_U=True, DT=dot_dtype(torch.bfloat16, K))
+    dqkg = dict(const, BK=min(BK, grads.DQKG_BLOCK_K), BC=16, SOFTMAX_BWD=False)
     return {"rwkv6.dv": (grads._dv_kernel, dict(const, BK=BK, STORE_DV=True, STORE_DA=True), types,
                          dict(num_warps=grads.DV_WARPS, num_stages=1)),
-            "rwkv6.dqkg": (grads._dqkg_kernel, dict(const, BK=min(BK, grads.DQKG_BLOCK_K), BC=16), types,
+            "rwkv6.dqkg": (grads._dqkg_kernel, dqkg, types,
                            dict(num_warps=grads.DQKG_WARPS, num_stages=1))}
 
 

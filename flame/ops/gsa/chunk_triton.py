@@ -38,7 +38,8 @@ import triton.language as tl
 
 from ..utils.backend import run_eager
 from ..common.chunk_triton import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
-                      chunk_local_cumsum, chunk_output, chunk_state_fwd, chunk_states_fwd_bwd, dot_dtype)
+                      chunk_local_cumsum, chunk_output, chunk_state_fwd, chunk_states_fwd_bwd, dot_dtype,
+                      fuses_softmax_bwd)
 from ..common.chunk_triton.intra import intra_chunk_matrix, load_row, load_rows, mm
 from ..common.chunk_triton.layout import chunk_span
 
@@ -317,7 +318,8 @@ def slots_fwd(q, k, s, gc, hk, layout, scale, DT, keep_scores=True):
 
 
 def softmax_bwd(p, dp):
-    """dz = p (dp - sum_m p dp), the softmax's backward over the slots (last axis), fp32, one kernel."""
+    """dz = p (dp - sum_m p dp), the softmax's backward over the slots (last axis), fp32, one kernel: for
+    more slots than one block of the dq/dk/dg kernel holds (else its epilogue does it)."""
     M = p.shape[-1]
     rows = p.numel() // M
     BM = max(16, triton.next_power_of_2(M))
@@ -416,9 +418,12 @@ def _backward(q, k, v, s, g, hk0T, hv0_, z, p, gc, hk, hv, scale, cu_seqlens, ch
     dv, _, _ = chunk_dv_dA_bwd(s_, v_, gc, A, do, dhv, layout, 1.0, False, False, DT, BM, _value_block(V),
                                with_dA=False)
     _, dA, _ = chunk_dv_dA_bwd(None, v_, None, None, do, None, layout, 1.0, False, False, DT, BM, BV, with_dv=False)
-    dp, ds_v, dg_v, _ = chunk_dqkg_from_dA(p, s_, v_, gc, gc, None, hv, do, dhv, dA, None, layout, 1.0,
-                                           False, DT, BM, BV, dk_dtype=torch.float32)
-    dz = softmax_bwd(p, dp)
+    # the softmax's backward (dp -> dz) in the same kernel's epilogue when one K block holds the M slots
+    fused = fuses_softmax_bwd(M, BM)
+    dz, ds_v, dg_v, _ = chunk_dqkg_from_dA(p, s_, v_, gc, gc, None, hv, do, dhv, dA, None, layout, 1.0,
+                                           False, DT, BM, BV, dk_dtype=torch.float32, softmax_bwd=fused)
+    if not fused:
+        dz = softmax_bwd(p, dz)
     # pass K: transposed states and state gradients from the core, then the column-gated read backward
     hk, dhk, dhk0T = chunk_states_fwd_bwd(dz, s_, k_, q, gc, layout, hk0T, dhkT_, scale, False, hk0T is not None,
                                           DT, h=hk)

@@ -85,7 +85,7 @@ def _dv_kernel(k, v, gc, A, do, dh, dv, dA, dAd, cu_seqlens, chunk_indices, scal
 def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens, chunk_indices, scale,
                  H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr,
-                 DT: tl.constexpr):
+                 SOFTMAX_BWD: tl.constexpr, DT: tl.constexpr):
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -187,6 +187,9 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
         dk3 += dA_diag[:, :, None] * uu[None, None, :] * q3
         tl.store(du + (i_c * H + i_h) * K + ck, tl.sum(tl.sum(dA_diag[:, :, None] * q3 * k3, axis=1), axis=0),
                  mask=m_k)
+    if SOFTMAX_BWD:
+        # q = softmax(z) over its K axis (one K block holds the whole row): store dz = q (dq - sum_K q dq)
+        dq3 = q3 * (dq3 - tl.sum(q3 * dq3, axis=2)[:, :, None])
     off = ((t0 + r3)[:, :, None] * H + i_h) * K + ck[None, None, :]
     m = m3[:, :, None] & m_k[None, None, :]
     tl.store(dq + off, dq3.to(dq.dtype.element_ty), mask=m)
@@ -215,17 +218,28 @@ def chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout: ChunkLayout, scale: float, excl
 
 def chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout: ChunkLayout, scale: float,
                        exclusive: bool, dot_dtype, block_k: int, block_v: int, sub_chunk: int = 16,
-                       num_warps: int | None = None, dk_dtype: torch.dtype | None = None):
+                       num_warps: int | None = None, dk_dtype: torch.dtype | None = None,
+                       softmax_bwd: bool = False):
     """dq, dk (dtypes of q and k, or dk_dtype), dg (dtype of g) [B, T, H, K], and du [H, K] fp32 (None
-    without u). num_warps: the kernel's launch width (default DQKG_WARPS); a family may pick its own."""
+    without u). num_warps: the kernel's launch width (default DQKG_WARPS); a family may pick its own.
+    With `softmax_bwd` (q = softmax(z) over K, and K within one K block: `fuses_softmax_bwd`), the
+    first output is dz = q (dq - sum_K q dq) instead of dq; dk and dg are unchanged."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k, dtype=dk_dtype or k.dtype), torch.empty_like(g)
     du = torch.empty(layout.num_chunks, H, K, device=q.device, dtype=torch.float32) if u is not None else None
     block_k = min(block_k, DQKG_BLOCK_K)
+    if softmax_bwd and block_k < K:
+        raise ValueError(f"softmax_bwd needs the whole K axis ({K}) in one block (at most {block_k})")
     _dqkg_kernel[(layout.num_chunks, H, triton.cdiv(K, block_k))](
         q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, layout.cu_seqlens, layout.chunk_indices, scale,
         H=H, K=K, V=V, BT=layout.chunk_size, BC=min(sub_chunk, layout.chunk_size), BK=block_k, BV=block_v,
-        EXCLUSIVE=exclusive, HAS_U=u is not None, DT=dot_dtype, num_warps=num_warps or DQKG_WARPS, num_stages=1)
+        EXCLUSIVE=exclusive, HAS_U=u is not None, SOFTMAX_BWD=softmax_bwd, DT=dot_dtype,
+        num_warps=num_warps or DQKG_WARPS, num_stages=1)
     return dq, dk, dg, (du.sum(0) if du is not None else None)
+
+
+def fuses_softmax_bwd(K: int, block_k: int) -> bool:
+    """Whether `chunk_dqkg_from_dA` can apply a softmax's backward over K (one K block holds it)."""
+    return min(block_k, DQKG_BLOCK_K) >= K
 

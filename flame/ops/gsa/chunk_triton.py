@@ -420,10 +420,9 @@ def _backward(q, k, v, s, g, hk0T, hv0_, z, p, gc, hk, hv, scale, cu_seqlens, ch
     _, dA, _ = chunk_dv_dA_bwd(None, v_, None, None, do, None, layout, 1.0, False, False, DT, BM, BV, with_dv=False)
     # the softmax's backward (dp -> dz) in the same kernel's epilogue when one K block holds the M slots
     fused = fuses_softmax_bwd(M, BM)
-    dz, ds_v, dg_v, _ = chunk_dqkg_from_dA(p, s_, v_, gc, gc, None, hv, do, dhv, dA, None, layout, 1.0,
-                                           False, DT, BM, BV, dk_dtype=torch.float32, softmax_bwd=fused)
-    if not fused:
-        dz = softmax_bwd(p, dz)
+    dp_or_dz, ds_v, dg_v, _ = chunk_dqkg_from_dA(p, s_, v_, gc, gc, None, hv, do, dhv, dA, None, layout, 1.0,
+                                                 False, DT, BM, BV, dk_dtype=torch.float32, softmax_bwd=fused)
+    dz = dp_or_dz if fused else softmax_bwd(p, dp_or_dz)
     # pass K: transposed states and state gradients from the core, then the column-gated read backward
     hk, dhk, dhk0T = chunk_states_fwd_bwd(dz, s_, k_, q, gc, layout, hk0T, dhkT_, scale, False, hk0T is not None,
                                           DT, h=hk)

@@ -229,7 +229,7 @@ def chunk_dqkg_from_dA(q, k, v, g, gc, u, h, do, dh, dA, dAd, layout: ChunkLayou
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k, dtype=dk_dtype or k.dtype), torch.empty_like(g)
     du = torch.empty(layout.num_chunks, H, K, device=q.device, dtype=torch.float32) if u is not None else None
     block_k = min(block_k, DQKG_BLOCK_K)
-    if softmax_bwd and block_k < K:
+    if softmax_bwd and not fuses_softmax_bwd(K, block_k):
         raise ValueError(f"softmax_bwd needs the whole K axis ({K}) in one block (at most {block_k})")
     _dqkg_kernel[(layout.num_chunks, H, triton.cdiv(K, block_k))](
         q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, layout.cu_seqlens, layout.chunk_indices, scale,

@@ -82,6 +82,33 @@ def _dv_kernel(k, v, gc, A, do, dh, dv, dA, dAd, cu_seqlens, chunk_indices, scal
 
 
 @triton.jit
+def _diag_masks(c, ic, m3, m_c, EXCLUSIVE: tl.constexpr):
+    """Masks [NB, BC] of the diagonal sub-blocks' pairs with column c: (key c before query row (s, i),
+    query c after key row (s, i)); m_c [NB]: row c of sub-chunk s is a valid row."""
+    if EXCLUSIVE:
+        return (c < ic)[None, :] & m3, (c > ic)[None, :] & m_c[:, None]
+    else:
+        return (c <= ic)[None, :] & m3, (c >= ic)[None, :] & m_c[:, None]
+
+
+@triton.jit
+def _diag_column(q, k, gc, dA, t0, Tc, c, nb, ic, r3, m3, a_row3, i_h, ck, m_k, H, K: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr, EXCLUSIVE: tl.constexpr):
+    """Row j = s BC + c of every sub-chunk s: k_j, Γ_j, q_j, the query gate of j [NB, BK] (fp32), and the
+    dA entries dA[(s, i), j], dA[j, (s, i)] [NB, BC] (zero off the pair masks)."""
+    j = nb * BC + c
+    m_c = j < Tc
+    m_j, m_i = _diag_masks(c, ic, m3, m_c, EXCLUSIVE)
+    kj = load_rows(k, t0, j, m_c, i_h, ck, m_k, H, K)
+    gj = load_rows(gc, t0, j, m_c, i_h, ck, m_k, H, K)
+    qj = load_rows(q, t0, j, m_c, i_h, ck, m_k, H, K)
+    gqj = load_query_gate(gc, t0, j, m_c, i_h, ck, m_k, H, K, EXCLUSIVE)
+    dA_qj = tl.load(dA + a_row3 + j[:, None], mask=m_j, other=0.0)
+    dA_jk = tl.load(dA + (((t0 + j) * H + i_h) * BT)[:, None] + r3, mask=m_i, other=0.0)
+    return kj, gj, qj, gqj, dA_qj, dA_jk
+
+
+@triton.jit
 def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens, chunk_indices, scale,
                  H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr,
@@ -139,7 +166,8 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
         dk_ += mm_tf32(tl.trans(dAw), qs, DT) * tl.exp2(
             tl.where(((blk == s) & m_t)[:, None], gm[None, :] - gk, float("-inf")))
     # diagonal sub-blocks, pair by pair, in the [NB, BC, BK] view (NB = BT // BC sub-chunks): column
-    # c of every sub-chunk at once, NB rows loaded per c; the dA entries are gathered from memory
+    # c of every sub-chunk at once, NB rows loaded per c; the dA entries are gathered from memory. The
+    # loads of column c + 1 are issued before column c's products, so their latency overlaps them.
     NB: tl.constexpr = BT // BC
     nb = tl.arange(0, NB)
     ic = tl.arange(0, BC)
@@ -150,34 +178,25 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
     gq3 = load_query_gate3(gc, t0, r3, m3, i_h, ck, m_k, H, K, EXCLUSIVE)
     gk3 = load_rows3(gc, t0, r3, m3, i_h, ck, m_k, H, K)
     a_row3 = ((t0 + r3) * H + i_h) * BT
+    kj_n, gj_n, qj_n, gqj_n, dA_qj_n, dA_jk_n = _diag_column(q, k, gc, dA, t0, Tc, 0, nb, ic, r3, m3, a_row3, i_h,
+                                                             ck, m_k, H, K, BT, BC, EXCLUSIVE)
     for c in range(0, BC):
-        j = nb * BC + c                                    # [NB]: row c of each sub-chunk
-        m_c = j < Tc
-        if EXCLUSIVE:
-            m_j = (c < ic)[None, :] & m3                   # key j before query row (s, i)
-            m_i = (c > ic)[None, :] & m_c[:, None]         # query j after key row (s, i)
-        else:
-            m_j = (c <= ic)[None, :] & m3
-            m_i = (c >= ic)[None, :] & m_c[:, None]
-        kj = load_rows(k, t0, j, m_c, i_h, ck, m_k, H, K)
-        gj = load_rows(gc, t0, j, m_c, i_h, ck, m_k, H, K)
-        dA_qj = tl.load(dA + a_row3 + j[:, None], mask=m_j, other=0.0)                        # dA[(s,i), j]
+        kj, gj, qj, gqj, dA_qj, dA_jk = kj_n, gj_n, qj_n, gqj_n, dA_qj_n, dA_jk_n
+        kj_n, gj_n, qj_n, gqj_n, dA_qj_n, dA_jk_n = _diag_column(q, k, gc, dA, t0, Tc, tl.minimum(c + 1, BC - 1), nb,
+                                                                 ic, r3, m3, a_row3, i_h, ck, m_k, H, K, BT, BC,
+                                                                 EXCLUSIVE)
+        m_j, m_i = _diag_masks(c, ic, m3, nb * BC + c < Tc, EXCLUSIVE)
         dq3 += dA_qj[:, :, None] * kj[:, None, :] * tl.exp2(
             tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf")))
-        qj = load_rows(q, t0, j, m_c, i_h, ck, m_k, H, K)
-        gqj = load_query_gate(gc, t0, j, m_c, i_h, ck, m_k, H, K, EXCLUSIVE)
-        dA_jk = tl.load(dA + (((t0 + j) * H + i_h) * BT)[:, None] + r3, mask=m_i, other=0.0)  # dA[j, (s,i)]
         dk3 += dA_jk[:, :, None] * qj[:, None, :] * tl.exp2(
             tl.where(m_i[:, :, None], gqj[:, None, :] - gk3, float("-inf")))
 
-    # dg by identity I2: reverse cumsum over the chunk's rows, in the [NB, BC, BK] view
+    # dg by identity I2: reverse cumsum over the chunk's rows (one scan of the [BT, BK] view)
     q3 = load_rows3(q, t0, r3, m3, i_h, ck, m_k, H, K)
     k3 = load_rows3(k, t0, r3, m3, i_h, ck, m_k, H, K)
     P = q3 * dq3
-    X = P - k3 * dk3
-    X_sub = tl.sum(X, axis=1)                                                  # [NB, BK]
-    dg3 = tl.cumsum(X, axis=1, reverse=True) + (tl.cumsum(X_sub, axis=0, reverse=True) - X_sub)[:, None, :] \
-        + g_last[None, None, :]
+    X = tl.reshape(P - k3 * dk3, [BT, BK])
+    dg3 = tl.reshape(tl.cumsum(X, axis=0, reverse=True), [NB, BC, BK]) + g_last[None, None, :]
     if EXCLUSIVE:
         dg3 -= P
     if HAS_U:

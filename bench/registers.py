@@ -129,8 +129,14 @@ def _gsa_jobs() -> dict:
     types = {name: "*bf16" for name in ("q", "k", "s", "dq", "dk", "ds", "dg")}
     const = dict(H=4, K=K, M=M, BT=64, BC=16, BK=BK, BM=BM, DT=gsa._slot_dot_dtype(M, tl.bfloat16))
     options = dict(num_warps=gsa._SLOT_WARPS, num_stages=gsa._SLOT_STAGES)
+    from flame.ops.common.chunk_triton import output
+
+    intra = dict(H=4, K=M, V=1, BT=64, BC=16, BK=BM, BV=64, EXCLUSIVE=False, HAS_U=False, LOCAL_STATE=False,
+                 DT=tl.bfloat16)
     return {"gsa.slots_fwd": (gsa._slots_fwd_kernel, dict(const, STORE_Z=True), types, options),
-            "gsa.slots_bwd": (gsa._slots_bwd_kernel, const, types, options)}
+            "gsa.slots_bwd": (gsa._slots_bwd_kernel, const, types, options),
+            "gsa.value_intra": (output._intra_fwd_kernel, intra, {"q": "*fp32", "k": "*bf16", "H": "i32"},
+                                dict(num_warps=gsa._CORE_WARPS, num_stages=1))}
 
 
 def _rwkv6_jobs() -> dict:
@@ -148,7 +154,14 @@ def _rwkv6_jobs() -> dict:
     types["H"] = "i32"
     const = dict(K=K, V=V, BT=CHUNK_SIZE, BV=BV, EXCLUSIVE=True, HAS_U=True, DT=dot_dtype(torch.bfloat16, K))
     dqkg = dict(const, BK=min(BK, grads.DQKG_BLOCK_K), BC=16, SOFTMAX_BWD=False)
-    return {"rwkv6.dv": (grads._dv_kernel, dict(const, BK=BK, STORE_DV=True, STORE_DA=True), types,
+    from flame.ops.common.chunk_triton import output
+    from flame.ops.rwkv6.chunk_triton import INTRA_SUB_CHUNK
+
+    intra = dict(K=K, V=V, BT=CHUNK_SIZE, BC=INTRA_SUB_CHUNK, BK=min(BK, output.INTRA_BLOCK_K), BV=BV, EXCLUSIVE=True,
+                 HAS_U=True, LOCAL_STATE=False, DT=dot_dtype(torch.bfloat16, K))
+    return {"rwkv6.intra_fwd": (output._intra_fwd_kernel, intra, types,
+                                dict(num_warps=output.INTRA_WARPS, num_stages=1)),
+            "rwkv6.dv": (grads._dv_kernel, dict(const, BK=BK, STORE_DV=True, STORE_DA=True), types,
                          dict(num_warps=grads.DV_WARPS, num_stages=1)),
             "rwkv6.dqkg": (grads._dqkg_kernel, dqkg, types,
                            dict(num_warps=grads.DQKG_WARPS, num_stages=1))}

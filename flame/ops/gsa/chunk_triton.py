@@ -40,7 +40,7 @@ from ..utils.backend import run_eager
 from ..common.chunk_triton import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
                       chunk_local_cumsum, chunk_output, chunk_state_fwd, chunk_states_fwd_bwd, dot_dtype,
                       fuses_softmax_bwd)
-from ..common.chunk_triton.intra import intra_chunk_matrix, load_row, load_rows, mm
+from ..common.chunk_triton.intra import intra_chunk_matrix, load_column, load_row, load_rows, load_rows3, mm, sub_chunks
 from ..common.chunk_triton.layout import chunk_span
 
 
@@ -95,15 +95,21 @@ def _column_gated_read(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
         gn = load_row(gc, t0, ref, i_h, cm, m_m, H, M)
         xs = xx * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gq, float("-inf")))
         Y += mm(A, xs, DT) * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
-    c_in_block = tl.arange(0, BC)[None, None, :]
+    # diagonal sub-blocks in the [NB, BC, BM] view: key column c of every sub-chunk at once, the loads of
+    # column c + 1 issued before column c's products
+    NB: tl.constexpr = BT // BC
+    nb, ic, r3, m3 = sub_chunks(Tc, BT, BC)
+    Y3 = tl.reshape(Y, [NB, BC, BM])
+    gq3 = load_rows3(gc, t0, r3, m3, i_h, cm, m_m, H, M)
+    xj_n, gj_n = load_column(x, gc, t0, Tc, nb * BC, i_h, cm, m_m, H, M)
     for c in range(0, BC):
-        j = blk * BC + c
-        m_j = (j <= rows) & m_t
-        xj = load_rows(x, t0, j, m_j, i_h, cm, m_m, H, M)
-        gj = load_rows(gc, t0, j, m_j, i_h, cm, m_m, H, M)
-        a_j = tl.reshape(tl.sum(tl.where(c_in_block == c, D, 0.0), axis=2), [BT])  # A[tau, j(tau)]
-        Y += a_j[:, None] * xj * tl.exp2(tl.where(m_j[:, None], gq - gj, float("-inf")))
-    return Y
+        xj, gj = xj_n, gj_n
+        xj_n, gj_n = load_column(x, gc, t0, Tc, nb * BC + tl.minimum(c + 1, BC - 1), i_h, cm, m_m, H, M)
+        m_j = (c <= ic)[None, :] & m3
+        a_j = tl.sum(tl.where(ic[None, None, :] == c, D, 0.0), axis=2)  # A[(s, i), s BC + c]
+        Y3 += a_j[:, :, None] * xj[:, None, :] * tl.exp2(
+            tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf")))
+    return tl.reshape(Y3, [BT, BM])
 
 
 @triton.jit
@@ -129,15 +135,21 @@ def _column_gated_read_t(A, x, Y, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.conste
         xs = xx * tl.exp2(tl.where(((rows >= (s + 1) * BC) & m_t)[:, None], gk - gn[None, :], float("-inf")))
         Y += mm(tl.trans(A), xs, DT) * tl.exp2(
             tl.where(((blk == s) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
-    c_in_block = tl.arange(0, BC)[None, :, None]
+    # diagonal sub-blocks in the [NB, BC, BM] view: query row c of every sub-chunk at once, the loads of
+    # row c + 1 issued before row c's products
+    NB: tl.constexpr = BT // BC
+    nb, ic, r3, m3 = sub_chunks(Tc, BT, BC)
+    Y3 = tl.reshape(Y, [NB, BC, BM])
+    gk3 = load_rows3(gc, t0, r3, m3, i_h, cm, m_m, H, M)
+    xi_n, gi_n = load_column(x, gc, t0, Tc, nb * BC, i_h, cm, m_m, H, M)
     for c in range(0, BC):
-        i = blk * BC + c
-        m_i = (i >= rows) & (i < Tc) & m_t
-        xi = load_rows(x, t0, i, m_i, i_h, cm, m_m, H, M)
-        gi = load_rows(gc, t0, i, m_i, i_h, cm, m_m, H, M)
-        a_i = tl.reshape(tl.sum(tl.where(c_in_block == c, D, 0.0), axis=1), [BT])  # A[i(j), j]
-        Y += a_i[:, None] * xi * tl.exp2(tl.where(m_i[:, None], gi - gk, float("-inf")))
-    return Y
+        xi, gi = xi_n, gi_n
+        xi_n, gi_n = load_column(x, gc, t0, Tc, nb * BC + tl.minimum(c + 1, BC - 1), i_h, cm, m_m, H, M)
+        m_i = (c >= ic)[None, :] & (nb * BC + c < Tc)[:, None]
+        a_i = tl.sum(tl.where(ic[None, :, None] == c, D, 0.0), axis=1)  # A[s BC + c, (s, j)]
+        Y3 += a_i[:, :, None] * xi[:, None, :] * tl.exp2(
+            tl.where(m_i[:, :, None], gi[:, None, :] - gk3, float("-inf")))
+    return tl.reshape(Y3, [BT, BM])
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .intra import load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm, mm_tf32
+from .intra import load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm, mm_tf32, sub_chunks
 from .layout import ChunkLayout, chunk_span
 
 DV_WARPS = 4      # launch settings (module constants so that a benchmark can sweep them)
@@ -169,10 +169,7 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
     # c of every sub-chunk at once, NB rows loaded per c; the dA entries are gathered from memory. The
     # loads of column c + 1 are issued before column c's products, so their latency overlaps them.
     NB: tl.constexpr = BT // BC
-    nb = tl.arange(0, NB)
-    ic = tl.arange(0, BC)
-    r3 = nb[:, None] * BC + ic[None, :]
-    m3 = r3 < Tc
+    nb, ic, r3, m3 = sub_chunks(Tc, BT, BC)
     dq3 = tl.reshape(dq_, [NB, BC, BK])
     dk3 = tl.reshape(dk_, [NB, BC, BK])
     gq3 = load_query_gate3(gc, t0, r3, m3, i_h, ck, m_k, H, K, EXCLUSIVE)

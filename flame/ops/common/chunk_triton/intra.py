@@ -115,6 +115,50 @@ def load_row(x, t0, row, i_h, cols, m_cols, H, D: tl.constexpr):
 
 
 @triton.jit
+def load_column(x, gc, t0, Tc, j, i_h, cols, m_cols, H, D: tl.constexpr):
+    """Row j [NB] of every sub-chunk (chunk-local rows, zero past the chunk's end Tc) of x and of the
+    gate cumsum gc, fp32 [NB, len(cols)]: one key column of the diagonal sub-blocks' pair loops."""
+    m_j = j < Tc
+    return load_rows(x, t0, j, m_j, i_h, cols, m_cols, H, D), load_rows(gc, t0, j, m_j, i_h, cols, m_cols, H, D)
+
+
+@triton.jit
+def sub_chunks(Tc, BT: tl.constexpr, BC: tl.constexpr):
+    """The [NB, BC] view of a chunk's rows (NB = BT // BC sub-chunks): the sub-chunks nb [NB], the rows
+    within one ic [BC], the chunk-local rows r3 = nb BC + ic [NB, BC] and their mask r3 < Tc."""
+    nb = tl.arange(0, BT // BC)
+    ic = tl.arange(0, BC)
+    r3 = nb[:, None] * BC + ic[None, :]
+    return nb, ic, r3, r3 < Tc
+
+
+@triton.jit
+def diagonal_pairs(q, k, gc, t0, Tc, i_h, ck, m_k, H, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   EXCLUSIVE: tl.constexpr):
+    """The BC x BC diagonal sub-blocks of the intra-chunk matrix over the key columns ck, exact per pair:
+    D [NB, BC, BC] fp32, D[s, i, c] = Σ_{ck} q[τ] k[j] exp(Γq[τ] - Γ[j]) for query row τ = s BC + i and key
+    row j = s BC + c, j < τ (j <= τ if not EXCLUSIVE), zero elsewhere. Key column c of every sub-chunk at
+    once (NB rows loaded per c), the loads of column c + 1 issued before column c's products, so that
+    their latency overlaps them."""
+    nb, ic, r3, m3 = sub_chunks(Tc, BT, BC)
+    q3 = load_rows3(q, t0, r3, m3, i_h, ck, m_k, H, K)
+    gq3 = load_query_gate3(gc, t0, r3, m3, i_h, ck, m_k, H, K, EXCLUSIVE)
+    D = tl.zeros([BT // BC, BC, BC], dtype=tl.float32)
+    kj_n, gj_n = load_column(k, gc, t0, Tc, nb * BC, i_h, ck, m_k, H, K)
+    for c in range(0, BC):
+        if EXCLUSIVE:
+            m_j = (c < ic)[None, :] & m3
+        else:
+            m_j = (c <= ic)[None, :] & m3
+        kj, gj = kj_n, gj_n
+        kj_n, gj_n = load_column(k, gc, t0, Tc, nb * BC + tl.minimum(c + 1, BC - 1), i_h, ck, m_k, H, K)
+        e = tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf"))
+        val = tl.sum(q3 * kj[:, None, :] * tl.exp2(e), axis=2)
+        D = tl.where(ic[None, None, :] == c, D + val[:, :, None], D)
+    return D
+
+
+@triton.jit
 def intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale,
                        H, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                        EXCLUSIVE: tl.constexpr, HAS_U: tl.constexpr, DT: tl.constexpr):
@@ -125,13 +169,17 @@ def intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale,
     Off-diagonal sub-blocks (query sub-chunk s, keys before it) factor the decay around the
     reference n = the row before sub-chunk s (clamped to the last valid row), so both factors
     exp(Γq - Γ_n) and exp(Γ_n - Γ_j) are <= 1 for any decay (docs/kernels.md#stable-decay-placement).
-    The BC x BC diagonal sub-blocks use the exact per-pair exponent.
+    The BC x BC diagonal sub-blocks use the exact per-pair exponent (`diagonal_pairs`), collected in an
+    [NB, BC, BC] tile.
     """
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     m_t = rows < Tc
     blk = rows // BC
+    NB: tl.constexpr = BT // BC
+    nb = tl.arange(0, NB)
     A = tl.zeros([BT, BT], dtype=tl.float32)
+    A_diag = tl.zeros([NB, BC, BC], dtype=tl.float32)
     for i_k in tl.static_range(0, triton.cdiv(K, BK)):
         ck = i_k * BK + tl.arange(0, BK)
         m_k = ck < K
@@ -139,26 +187,21 @@ def intra_chunk_matrix(q, k, gc, u, t0, Tc, i_h, scale,
         kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
         gk = load_rows(gc, t0, rows, m_t, i_h, ck, m_k, H, K)
         gq = load_query_gate(gc, t0, rows, m_t, i_h, ck, m_k, H, K, EXCLUSIVE)
-        for s in tl.static_range(1, BT // BC):
+        for s in tl.static_range(1, NB):
             ref = tl.minimum(s * BC - 1, Tc - 1)
             gn = load_row(gc, t0, ref, i_h, ck, m_k, H, K)
             qs = qq * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
             ks = kk * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
             A += mm(qs, tl.trans(ks), DT)
-        for c in range(0, BC):
-            j = blk * BC + c
-            if EXCLUSIVE:
-                m_j = (j < rows) & m_t
-            else:
-                m_j = (j <= rows) & m_t
-            kj = load_rows(k, t0, j, m_j, i_h, ck, m_k, H, K)
-            gj = load_rows(gc, t0, j, m_j, i_h, ck, m_k, H, K)
-            val = tl.sum(qq * kj * tl.exp2(tl.where(m_j[:, None], gq - gj, float("-inf"))), axis=1)
-            A = tl.where(cols[None, :] == j[:, None], A + val[:, None], A)
         if HAS_U:
             uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
             bonus = tl.sum(qq * uu[None, :] * kk, axis=1)
             A = tl.where(cols[None, :] == rows[:, None], A + bonus[:, None], A)
+        A_diag += diagonal_pairs(q, k, gc, t0, Tc, i_h, ck, m_k, H, K, BT, BC, EXCLUSIVE)
+    # the diagonal sub-blocks into A: A[s BC + i, s BC + j] += A_diag[s, i, j]
+    A4 = tl.reshape(A, [NB, BC, NB, BC])
+    same = nb[:, None, None, None] == nb[None, None, :, None]
+    A = tl.reshape(tl.where(same, A4 + A_diag[:, :, None, :], A4), [BT, BT])
     return A * scale
 
 

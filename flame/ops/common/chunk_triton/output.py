@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .intra import load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm
+from .intra import diagonal_pairs, load_query_gate, load_row, load_rows, load_rows3, mm, sub_chunks
 from .layout import ChunkLayout, chunk_span
 
 INTRA_WARPS = 4  # default launch settings (module constants so that a benchmark can sweep them)
@@ -32,9 +32,9 @@ def _intra_fwd_kernel(q, k, v, gc, u, A, h, cu_seqlens, chunk_indices, scale,
     Off-diagonal sub-blocks (query sub-chunk s, keys before it): tensor-core products factored
     around the reference n = the row before sub-chunk s (clamped to the last valid row), so both
     exp(Γq - Γ_n) and exp(Γ_n - Γ_j) are <= 1 for any decay (docs/kernels.md#stable-decay-placement).
-    The BC x BC diagonal sub-blocks: exact per-pair exponents, in the [NB, BC, BK] view of the
-    chunk (NB = BT // BC sub-chunks), key column c of every sub-chunk at once (NB rows loaded per c),
-    collected in an [NB, BC, BC] tile and stored at columns s * BC + (0..BC-1).
+    The BC x BC diagonal sub-blocks: exact per-pair exponents (`diagonal_pairs`, in the [NB, BC, BK]
+    view of the chunk, NB = BT // BC sub-chunks), collected in an [NB, BC, BC] tile and stored at
+    columns s * BC + (0..BC-1).
     """
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -44,10 +44,7 @@ def _intra_fwd_kernel(q, k, v, gc, u, A, h, cu_seqlens, chunk_indices, scale,
     m_t = rows < Tc
     blk = rows // BC
     NB: tl.constexpr = BT // BC
-    nb = tl.arange(0, NB)
-    ic = tl.arange(0, BC)
-    r3 = nb[:, None] * BC + ic[None, :]     # [NB, BC]: row i of sub-chunk s is chunk row s * BC + i
-    m3 = r3 < Tc
+    nb, ic, r3, m3 = sub_chunks(Tc, BT, BC)  # [NB, BC]: row i of sub-chunk s is chunk row s * BC + i
     A_off = tl.zeros([BT, BT], dtype=tl.float32)
     A_diag = tl.zeros([NB, BC, BC], dtype=tl.float32)
     for i_k in tl.static_range(0, triton.cdiv(K, BK)):
@@ -72,21 +69,9 @@ def _intra_fwd_kernel(q, k, v, gc, u, A, h, cu_seqlens, chunk_indices, scale,
             qs = qq * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
             ks = kk * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
             A_off += mm(qs, tl.trans(ks), DT)
-        # diagonal sub-blocks in the [NB, BC, BK] view: key column c of every sub-chunk at once
-        q3 = load_rows3(q, t0, r3, m3, i_h, ck, m_k, H, K)
-        gq3 = load_query_gate3(gc, t0, r3, m3, i_h, ck, m_k, H, K, EXCLUSIVE)
-        for c in range(0, BC):
-            j = nb * BC + c                                   # [NB]: the key row in each sub-chunk
-            if EXCLUSIVE:
-                m_j = (c < ic)[None, :] & m3
-            else:
-                m_j = (c <= ic)[None, :] & m3
-            kj = load_rows(k, t0, j, j < Tc, i_h, ck, m_k, H, K)
-            gj = load_rows(gc, t0, j, j < Tc, i_h, ck, m_k, H, K)
-            e = tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf"))
-            val = tl.sum(q3 * kj[:, None, :] * tl.exp2(e), axis=2)
-            A_diag = tl.where(ic[None, None, :] == c, A_diag + val[:, :, None], A_diag)
+        A_diag += diagonal_pairs(q, k, gc, t0, Tc, i_h, ck, m_k, H, K, BT, BC, EXCLUSIVE)
         if HAS_U:
+            q3 = load_rows3(q, t0, r3, m3, i_h, ck, m_k, H, K)
             k3 = load_rows3(k, t0, r3, m3, i_h, ck, m_k, H, K)
             uu = tl.load(u + i_h * K + ck, mask=m_k, other=0.0).to(tl.float32)
             bonus = tl.sum(q3 * uu[None, None, :] * k3, axis=2)

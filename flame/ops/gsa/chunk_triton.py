@@ -40,7 +40,8 @@ from ..utils.backend import run_eager
 from ..common.chunk_triton import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
                       chunk_local_cumsum, chunk_output, chunk_state_fwd, chunk_states_fwd_bwd, dot_dtype,
                       fuses_softmax_bwd)
-from ..common.chunk_triton.intra import intra_chunk_matrix, load_column, load_row, load_rows, load_rows3, mm, sub_chunks
+from ..common.chunk_triton.intra import (diagonal_masks, intra_chunk_matrix, load_column, load_row, load_rows, load_rows3,
+                                        mm, sub_chunks)
 from ..common.chunk_triton.layout import chunk_span
 
 
@@ -105,7 +106,7 @@ def _column_gated_read(A, x, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.constexpr,
     for c in range(0, BC):
         xj, gj = xj_n, gj_n
         xj_n, gj_n = load_column(x, gc, t0, Tc, nb * BC + tl.minimum(c + 1, BC - 1), i_h, cm, m_m, H, M)
-        m_j = (c <= ic)[None, :] & m3
+        m_j, _ = diagonal_masks(c, ic, m3, nb * BC + c < Tc, False)
         a_j = tl.sum(tl.where(ic[None, None, :] == c, D, 0.0), axis=2)  # A[(s, i), s BC + c]
         Y3 += a_j[:, :, None] * xj[:, None, :] * tl.exp2(
             tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf")))
@@ -145,7 +146,7 @@ def _column_gated_read_t(A, x, Y, gc, t0, Tc, i_h, H: tl.constexpr, M: tl.conste
     for c in range(0, BC):
         xi, gi = xi_n, gi_n
         xi_n, gi_n = load_column(x, gc, t0, Tc, nb * BC + tl.minimum(c + 1, BC - 1), i_h, cm, m_m, H, M)
-        m_i = (c >= ic)[None, :] & (nb * BC + c < Tc)[:, None]
+        _, m_i = diagonal_masks(c, ic, m3, nb * BC + c < Tc, False)
         a_i = tl.sum(tl.where(ic[None, :, None] == c, D, 0.0), axis=1)  # A[s BC + c, (s, j)]
         Y3 += a_i[:, :, None] * xi[:, None, :] * tl.exp2(
             tl.where(m_i[:, :, None], gi[:, None, :] - gk3, float("-inf")))

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .intra import load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm, mm_tf32, sub_chunks
+from .intra import (diagonal_masks, load_column, load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm,
+                    mm_tf32, sub_chunks)
 from .layout import ChunkLayout, chunk_span
 
 DV_WARPS = 4      # launch settings (module constants so that a benchmark can sweep them)
@@ -82,25 +83,14 @@ def _dv_kernel(k, v, gc, A, do, dh, dv, dA, dAd, cu_seqlens, chunk_indices, scal
 
 
 @triton.jit
-def _diag_masks(c, ic, m3, m_c, EXCLUSIVE: tl.constexpr):
-    """Masks [NB, BC] of the diagonal sub-blocks' pairs with column c: (key c before query row (s, i),
-    query c after key row (s, i)); m_c [NB]: row c of sub-chunk s is a valid row."""
-    if EXCLUSIVE:
-        return (c < ic)[None, :] & m3, (c > ic)[None, :] & m_c[:, None]
-    else:
-        return (c <= ic)[None, :] & m3, (c >= ic)[None, :] & m_c[:, None]
-
-
-@triton.jit
 def _diag_column(q, k, gc, dA, t0, Tc, c, nb, ic, r3, m3, a_row3, i_h, ck, m_k, H, K: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr, EXCLUSIVE: tl.constexpr):
     """Row j = s BC + c of every sub-chunk s: k_j, Γ_j, q_j, the query gate of j [NB, BK] (fp32), and the
     dA entries dA[(s, i), j], dA[j, (s, i)] [NB, BC] (zero off the pair masks)."""
     j = nb * BC + c
     m_c = j < Tc
-    m_j, m_i = _diag_masks(c, ic, m3, m_c, EXCLUSIVE)
-    kj = load_rows(k, t0, j, m_c, i_h, ck, m_k, H, K)
-    gj = load_rows(gc, t0, j, m_c, i_h, ck, m_k, H, K)
+    m_j, m_i = diagonal_masks(c, ic, m3, m_c, EXCLUSIVE)
+    kj, gj = load_column(k, gc, t0, Tc, j, i_h, ck, m_k, H, K)
     qj = load_rows(q, t0, j, m_c, i_h, ck, m_k, H, K)
     gqj = load_query_gate(gc, t0, j, m_c, i_h, ck, m_k, H, K, EXCLUSIVE)
     dA_qj = tl.load(dA + a_row3 + j[:, None], mask=m_j, other=0.0)
@@ -182,7 +172,7 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
         kj_n, gj_n, qj_n, gqj_n, dA_qj_n, dA_jk_n = _diag_column(q, k, gc, dA, t0, Tc, tl.minimum(c + 1, BC - 1), nb,
                                                                  ic, r3, m3, a_row3, i_h, ck, m_k, H, K, BT, BC,
                                                                  EXCLUSIVE)
-        m_j, m_i = _diag_masks(c, ic, m3, nb * BC + c < Tc, EXCLUSIVE)
+        m_j, m_i = diagonal_masks(c, ic, m3, nb * BC + c < Tc, EXCLUSIVE)
         dq3 += dA_qj[:, :, None] * kj[:, None, :] * tl.exp2(
             tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf")))
         dk3 += dA_jk[:, :, None] * qj[:, None, :] * tl.exp2(

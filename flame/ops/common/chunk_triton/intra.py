@@ -133,6 +133,17 @@ def sub_chunks(Tc, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def diagonal_masks(c, ic, m3, m_c, EXCLUSIVE: tl.constexpr):
+    """Masks [NB, BC] of the diagonal sub-blocks' pairs with row c of each sub-chunk: (key c before
+    query row (s, i), query c after key row (s, i)); m3 [NB, BC]: the valid rows; m_c [NB]: row c of
+    sub-chunk s is a valid row."""
+    if EXCLUSIVE:
+        return (c < ic)[None, :] & m3, (c > ic)[None, :] & m_c[:, None]
+    else:
+        return (c <= ic)[None, :] & m3, (c >= ic)[None, :] & m_c[:, None]
+
+
+@triton.jit
 def diagonal_pairs(q, k, gc, t0, Tc, i_h, ck, m_k, H, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                    EXCLUSIVE: tl.constexpr):
     """The BC x BC diagonal sub-blocks of the intra-chunk matrix over the key columns ck, exact per pair:
@@ -146,10 +157,7 @@ def diagonal_pairs(q, k, gc, t0, Tc, i_h, ck, m_k, H, K: tl.constexpr, BT: tl.co
     D = tl.zeros([BT // BC, BC, BC], dtype=tl.float32)
     kj_n, gj_n = load_column(k, gc, t0, Tc, nb * BC, i_h, ck, m_k, H, K)
     for c in range(0, BC):
-        if EXCLUSIVE:
-            m_j = (c < ic)[None, :] & m3
-        else:
-            m_j = (c <= ic)[None, :] & m3
+        m_j, _ = diagonal_masks(c, ic, m3, nb * BC + c < Tc, EXCLUSIVE)
         kj, gj = kj_n, gj_n
         kj_n, gj_n = load_column(k, gc, t0, Tc, nb * BC + tl.minimum(c + 1, BC - 1), i_h, ck, m_k, H, K)
         e = tl.where(m_j[:, :, None], gq3 - gj[:, None, :], float("-inf"))

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .intra import (diagonal_masks, load_column, load_query_gate, load_query_gate3, load_row, load_rows, load_rows3, mm,
-                    mm_tf32, sub_chunks)
+from .intra import (diagonal_masks, load_column, load_query_gate, load_query_gate3, load_row, load_rows, load_rows3,
+                    load_rows_native, mm, mm_tf32, sub_chunks)
 from .layout import ChunkLayout, chunk_span
 
 DV_WARPS = 4      # launch settings (module constants so that a benchmark can sweep them)
@@ -131,7 +131,8 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
         dk_state += mm(vv, tl.trans(dS), DT)
         s_ds += tl.sum(S * dS, axis=1)
 
-    kk = load_rows(k, t0, rows, m_t, i_h, ck, m_k, H, K)
+    # k and q are held in their own dtype through the off-diagonal products (fewer registers spilled)
+    kk = load_rows_native(k, t0, rows, m_t, i_h, ck, m_k, H, K)
     gk = load_rows(gc, t0, rows, m_t, i_h, ck, m_k, H, K)
     gq = load_query_gate(gc, t0, rows, m_t, i_h, ck, m_k, H, K, EXCLUSIVE)
     gl = load_row(gc, t0, Tc - 1, i_h, ck, m_k, H, K)
@@ -147,7 +148,7 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
         gn = load_row(gc, t0, ref, i_h, ck, m_k, H, K)
         ks = kk * tl.exp2(tl.where(((rows < s * BC) & m_t)[:, None], gn[None, :] - gk, float("-inf")))
         dq_ += mm_tf32(dAw, ks, DT) * tl.exp2(tl.where(((blk == s) & m_t)[:, None], gq - gn[None, :], float("-inf")))
-    qq = load_rows(q, t0, rows, m_t, i_h, ck, m_k, H, K)
+    qq = load_rows_native(q, t0, rows, m_t, i_h, ck, m_k, H, K)
     # keys of sub-chunk s against the queries after it (reference: the last row of s)
     for s in tl.static_range(0, BT // BC - 1):
         ref = tl.minimum(s * BC + BC - 1, Tc - 1)

@@ -92,10 +92,18 @@ def mm_tf32_if(a, b, TF32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def load_rows_native(x, t0, rows, m_rows, i_h, cols, m_cols, H, D: tl.constexpr):
+    """Rows `rows` (chunk-local) of x [.., H, D] for head i_h, columns `cols`, [len(rows), len(cols)] in
+    x's own dtype: a tile held over a long stretch costs half the registers of fp32 in 16 bits, and
+    every use promotes it to fp32 exactly."""
+    off = ((t0 + rows)[:, None] * H + i_h) * D + cols[None, :]
+    return tl.load(x + off, mask=m_rows[:, None] & m_cols[None, :], other=0.0)
+
+
+@triton.jit
 def load_rows(x, t0, rows, m_rows, i_h, cols, m_cols, H, D: tl.constexpr):
     """Rows `rows` (chunk-local) of x [.., H, D] for head i_h, columns `cols`, as fp32 [len(rows), len(cols)]."""
-    off = ((t0 + rows)[:, None] * H + i_h) * D + cols[None, :]
-    return tl.load(x + off, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+    return load_rows_native(x, t0, rows, m_rows, i_h, cols, m_cols, H, D).to(tl.float32)
 
 
 @triton.jit

@@ -114,7 +114,7 @@ def _rwkv7_jobs() -> dict:
         "rwkv7.bwd_maps": (chunk_bwd_triton._bwd_maps_kernel, dict(common, BV=plan.BV_bwd), types,
                            dict(num_warps=plan.warps_maps, num_stages=plan.stages_maps)),
         "rwkv7.bwd_intra": (chunk_bwd_triton._bwd_intra_kernel, common, types,
-                            dict(num_warps=plan.warps_intra, num_stages=1)),
+                            dict(num_warps=plan.warps_intra, num_stages=1, maxnreg=plan.maxnreg)),
     }
 
 

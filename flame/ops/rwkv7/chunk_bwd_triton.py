@@ -157,7 +157,7 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     columns of dM^qb and dM^ab; then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,
     γ = q dq + a da - k dk - b db.
     dM^ak, dM^ab and a da stay in registers between the two, and the gates, a, k and b are read by one
-    program: faster than one kernel per part, although this one spills a little. Each tile is loaded
+    program: faster than one kernel per part, although this one spills (ChunkPlan.maxnreg). Each tile is loaded
     where it is first needed (dW and the gates after the M^ak products, dk's column products before
     db's), so fewer tiles are live at once and fewer registers spill."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
@@ -233,5 +233,5 @@ def chunk_bwd(plan, pre, q, w, k, v, a, b, do, hs, dhs, scale):
         _bwd_intra_kernel[plan.grid(mode)](q, w, k, a, b, pre["Tm"], pre["Mak"], dWb, dGb, dEb, dMqbb, dks, dbs, gq,
                                            glast, plan.cu, plan.chunk_info, scale, pre["regime"], da, dw, dk, db,
                                            MODE=mode, LOWP=plan.lowp, TF32=plan.tf32, HP=plan.HP, num_stages=1,
-                                           num_warps=plan.warps_intra, **common)
+                                           num_warps=plan.warps_intra, maxnreg=plan.maxnreg, **common)
     return dq, dw, dk, da, db

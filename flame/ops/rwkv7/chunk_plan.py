@@ -111,8 +111,9 @@ class ChunkPlan:
         # the per-chunk kernels' fp32-operand products: bf16x3 (half the work of 3xTF32, the trained head's
         # errors unchanged) for 16-bit inputs, 3xTF32 for fp32
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
-        # `prepare`'s register cap at head dims <= 64: 3 programs per SM instead of 2, faster despite a
-        # little spilling (the backward's kernels are faster uncapped)
+        # the register cap of `prepare` and `_bwd_intra` at head dims <= 64: 3 programs per SM instead of
+        # 2, faster despite some spilling (`_bwd_maps`, which spills little at this cap, is faster
+        # uncapped: bench/RESULTS.md, "Chunk kernels' launch settings")
         self.maxnreg = 168 if self.BK <= 64 else None
         # warps per program of the per-chunk kernels: `prepare`, `_bwd_maps` and `_bwd_intra`
         self.warps_prepare = self.warps_maps = self.warps_intra = WARPS_CHUNK

@@ -113,7 +113,7 @@ class ChunkPlan:
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
         # the register cap of `prepare` and `_bwd_intra` at head dims <= 64: 3 programs per SM instead of
         # 2, faster despite some spilling (`_bwd_maps`, which spills little at this cap, is faster
-        # uncapped: bench/RESULTS.md, "Chunk kernels' launch settings")
+        # uncapped; bench/RESULTS.md, whole training step, the H200 measurements)
         self.maxnreg = 168 if self.BK <= 64 else None
         # warps per program of the per-chunk kernels: `prepare`, `_bwd_maps` and `_bwd_intra`
         self.warps_prepare = self.warps_maps = self.warps_intra = WARPS_CHUNK

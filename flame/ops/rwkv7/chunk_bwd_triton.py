@@ -157,9 +157,10 @@ def _bwd_intra_chunk(q, w, k, a, b, Tm, Mak, dWb, dGb, dEb, dMqbb, dks, dbs, gq,
     columns of dM^qb and dM^ab; then dw by I2: dw_s = sum_{τ>=s} γ_τ - (a da)_s + g_last,
     γ = q dq + a da - k dk - b db.
     dM^ak, dM^ab and a da stay in registers between the two, and the gates, a, k and b are read by one
-    program: faster than one kernel per part, although this one spills (ChunkPlan.maxnreg). Each tile is loaded
-    where it is first needed (dW and the gates after the M^ak products, dk's column products before
-    db's), so fewer tiles are live at once and fewer registers spill."""
+    program: faster than one kernel per part, although this one spills under the plan's register cap
+    (ChunkPlan.maxnreg). Each tile is loaded where it is first needed (dW and the gates after the M^ak
+    products, dk's column products before db's), so fewer tiles are live at once and fewer registers
+    spill."""
     t0, m_r, m_rk, p_k, p_t, bk, bT = chunk_tile(cu_seqlens, chunk_info, i_c, i_h, H, K, BT, BK)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)

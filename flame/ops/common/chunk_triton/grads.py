@@ -205,10 +205,13 @@ def _dqkg_kernel(q, k, v, gc, u, h, do, dh, dA, dAd, dq, dk, dg, du, cu_seqlens,
 
 
 def chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout: ChunkLayout, scale: float, exclusive: bool, has_u: bool,
-                    dot_dtype, block_k: int, block_v: int, with_dv: bool = True, with_dA: bool = True):
+                    dot_dtype, block_k: int, block_v: int, with_dv: bool = True, with_dA: bool = True,
+                    maxnreg: int | None = None):
     """dv [B, T, H, V] in v's dtype (None unless `with_dv`; then k, gc, A and dh may be None), dA
     [B, T, H, BT] fp32 (scaled, masked to the intra triangle; None unless `with_dA`) and, with dA and
-    `has_u`, dA's diagonal scale (do . v) [B, T, H] fp32 (else None), for `chunk_dqkg_from_dA`."""
+    `has_u`, dA's diagonal scale (do . v) [B, T, H] fp32 (else None), for `chunk_dqkg_from_dA`.
+    maxnreg: a register cap per thread for the kernel's launch (None: Triton's choice); a family
+    picks its own."""
     B, T, H, V = v.shape
     K = k.shape[-1] if k is not None else 1
     BT = layout.chunk_size
@@ -219,7 +222,7 @@ def chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout: ChunkLayout, scale: float, excl
     _dv_kernel[(layout.num_chunks, H)](
         k, v, gc, A, do, dh, dv, dA, dAd, layout.cu_seqlens, layout.chunk_indices, scale,
         H=H, K=K, V=V, BT=BT, BK=block_k, BV=block_v, EXCLUSIVE=exclusive, HAS_U=has_u,
-        STORE_DV=with_dv, STORE_DA=with_dA, DT=dot_dtype, num_warps=DV_WARPS, num_stages=1)
+        STORE_DV=with_dv, STORE_DA=with_dA, DT=dot_dtype, num_warps=DV_WARPS, num_stages=1, maxnreg=maxnreg)
     return dv, dA, dAd
 
 

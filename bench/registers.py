@@ -145,8 +145,8 @@ def _rwkv6_jobs() -> dict:
     import torch
 
     from flame.ops.common.chunk_triton import grads
-    from flame.ops.common.chunk_triton.plan import block_sizes, dot_dtype
-    from flame.ops.rwkv6.chunk_triton import CHUNK_SIZE, DV_MAXNREG
+    from flame.ops.common.chunk_triton.plan import block_sizes, dot_dtype, three_programs_register_cap
+    from flame.ops.rwkv6.chunk_triton import CHUNK_SIZE
 
     K = V = 64
     BK, BV = block_sizes(K, V)
@@ -162,7 +162,7 @@ def _rwkv6_jobs() -> dict:
     return {"rwkv6.intra_fwd": (output._intra_fwd_kernel, intra, types,
                                 dict(num_warps=output.INTRA_WARPS, num_stages=1)),
             "rwkv6.dv": (grads._dv_kernel, dict(const, BK=BK, STORE_DV=True, STORE_DA=True), types,
-                         dict(num_warps=grads.DV_WARPS, num_stages=1, maxnreg=DV_MAXNREG)),
+                         dict(num_warps=grads.DV_WARPS, num_stages=1, maxnreg=three_programs_register_cap(K))),
             "rwkv6.dqkg": (grads._dqkg_kernel, dqkg, types,
                            dict(num_warps=grads.DQKG_WARPS, num_stages=1))}
 

@@ -17,22 +17,23 @@ def patch_language_once_per_launch():
     if patch_lang is None or not hasattr(interpreter, "_LangPatchScope"):
         return
     languages = (language, language.core)
-    swapped: set[int] = set()  # the modules swapped in the launch in progress (one at a time)
-    launch = {"on": False}
+    modules_of: dict = {}  # function -> ids of the language modules its globals hold
+    swapped: set[int] = set()  # those the launch in progress has swapped; empty between launches
 
     def patch_once(fn):
-        modules = {id(value) for value in fn.__globals__.values() if any(value is m for m in languages)}
-        if launch["on"] and modules <= swapped:
+        if fn not in modules_of:
+            modules_of[fn] = {id(value) for value in fn.__globals__.values() if any(value is m for m in languages)}
+        modules = modules_of[fn]
+        in_launch = bool(swapped)  # every kernel's globals hold a language module (Triton asserts it)
+        if in_launch and modules <= swapped:
             return interpreter._LangPatchScope()  # nothing to undo
         scope = patch_lang(fn)
         swapped.update(modules)
-        if launch["on"]:  # a helper's own module: Triton leaves its scope to no one, and so does this
+        if in_launch:  # a helper's own module: Triton leaves its scope to no one, and so does this
             return scope
-        launch["on"] = True
         restore = scope.restore
 
         def restore_and_end_launch():
-            launch["on"] = False
             swapped.clear()
             restore()
 

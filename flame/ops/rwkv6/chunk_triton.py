@@ -19,16 +19,12 @@ import torch
 from ..utils.backend import run_eager
 from ..common.chunk_triton import (block_sizes, chunk_dqkg_from_dA, chunk_dv_dA_bwd, chunk_intra_fwd, chunk_layout,
                       chunk_local_cumsum, chunk_output, chunk_scan_states, chunk_state_fwd, chunk_states_fwd_bwd,
-                      dot_dtype, walks)
+                      dot_dtype, three_programs_register_cap, walks)
 
 CHUNK_SIZE = 64
 # sub-chunk of the forward intra kernel's exact diagonal blocks: 8 the fastest of 8, 16 and 32 at the
 # 340M layer shape on an H100 (bench/RESULTS.md, kernels: "Chunk kernels' launch settings")
 INTRA_SUB_CHUNK = 8
-# register cap of the dv/dA kernel at head dims <= 64: 168 registers a thread give 3 programs per SM
-# instead of 2, which outweighs its few spills (faster at the 340M layer shape on an H200; GSA's wider
-# value blocks are slower under it: bench/RESULTS.md, "Chunk kernels' launch settings")
-DV_MAXNREG = 168
 
 
 def _forward(r, k, v, w, u, scale, h0, output_final_state, cu_seqlens, chunk_size):
@@ -61,8 +57,10 @@ def _backward(r, k, v, w, u, h0, A, scale, cu_seqlens, chunk_size, do, dht):
     dht = dht.float().contiguous() if dht is not None else None
     gc = chunk_local_cumsum(w, layout)
     h, dh, dh0 = chunk_states_fwd_bwd(r, k, v, do, gc, layout, h0, dht, scale, True, h0 is not None, DT)
+    # the dv kernel under the three-programs register cap (faster for RWKV6; GSA's wider value blocks
+    # are slower under it)
     dv, dA, dAd = chunk_dv_dA_bwd(k, v, gc, A, do, dh, layout, scale, True, True, DT, BK, BV,
-                                  maxnreg=DV_MAXNREG if K <= 64 else None)
+                                  maxnreg=three_programs_register_cap(K))
     dr, dk, dw, du = chunk_dqkg_from_dA(r, k, v, w, gc, u, h, do, dh, dA, dAd, layout, scale, True,
                                         DT, BK, BV)
     return dr, dk, dv, dw, du, dh0

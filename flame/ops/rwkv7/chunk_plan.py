@@ -8,6 +8,7 @@ import torch
 import triton
 
 from ..common.chunk_triton.layout import fixed_length_tables
+from ..common.chunk_triton.plan import three_programs_register_cap
 from ..utils.backend import triton_interpreter_enabled
 
 LOG2E = 1.4426950408889634
@@ -114,7 +115,7 @@ class ChunkPlan:
         # the register cap of `prepare` and `_bwd_intra` at head dims <= 64: 3 programs per SM instead of
         # 2, faster despite some spilling (`_bwd_maps`, which spills little at this cap, is faster
         # uncapped; bench/RESULTS.md, whole training step, the H200 measurements)
-        self.maxnreg = 168 if self.BK <= 64 else None
+        self.maxnreg = three_programs_register_cap(K)
         # warps per program of the per-chunk kernels: `prepare`, `_bwd_maps` and `_bwd_intra`
         self.warps_prepare = self.warps_maps = self.warps_intra = WARPS_CHUNK
         # `_bwd_maps`'s pipeline stages over its V blocks: 3 the fastest tried; 1 at larger head dims,

@@ -9,6 +9,14 @@ from ...utils.backend import triton_interpreter_enabled
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def three_programs_register_cap(head_dim: int) -> int | None:
+    """A per-thread register cap (launch keyword maxnreg) that fits three programs of 4 warps on an
+    SM instead of two: 168 at head dims <= 64, where the kernels that take it (RWKV7's `prepare` and
+    `_bwd_intra`, RWKV6's dv) run faster despite a few spills; None (Triton's choice) at wider heads,
+    whose tiles would spill far more (bench/RESULTS.md, "Chunk kernels' launch settings")."""
+    return 168 if head_dim <= 64 else None
+
+
 def dot_dtype(dtype: torch.dtype, K: int | None = None):
     """The operand dtype of tl.dot (see `intra.mm`) for inputs of `dtype`: the input dtype, except
     fp32 products (no TF32) when the key width K < 32 (cheap products; 16-wide tensor-core tiles

@@ -11,13 +11,13 @@ import os
 import pytest
 import torch
 
-from tests.triton_interpreter import patch_language_once_per_launch
+from tests.triton_interpreter import speed_up_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    patch_language_once_per_launch()
+    speed_up_interpreter()
 
 
 def pytest_collection_modifyitems(config, items):

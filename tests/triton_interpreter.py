@@ -1,5 +1,18 @@
-"""Speed for Triton's interpreter, which runs the kernel tests on CPU-only machines (tests/conftest.py
-applies it; scripts that tests start in a subprocess call it themselves)."""
+"""Speed for Triton's interpreter, which runs the kernel tests on CPU-only machines: `speed_up_interpreter`
+(tests/conftest.py applies it; scripts that tests start in a subprocess call it themselves) removes
+work whose result the interpreter throws away or recomputes, so kernels compute exactly what they
+compute without it (tests/test_triton_interpreter.py). Each part leaves a Triton whose interpreter
+has another shape as it is."""
+
+
+import inspect
+
+
+def speed_up_interpreter():
+    """All of this module's speed-ups."""
+    patch_language_once_per_launch()
+    skip_discarded_overflow_checks()
+    memoize_type_conversions()
 
 
 def patch_language_once_per_launch():
@@ -9,7 +22,7 @@ def patch_language_once_per_launch():
     of the grid: most of the time of a kernel built from helpers. Here a helper's call skips the
     walk when the launch has swapped its modules already; the swap is idempotent, so kernels
     compute the same. A helper that sees a module the kernel does not (triton.language.core, say)
-    is patched as Triton patches it. A Triton whose interpreter has another shape keeps its own."""
+    is patched as Triton patches it."""
     from triton import language
     from triton.runtime import interpreter
 
@@ -41,3 +54,71 @@ def patch_language_once_per_launch():
         return scope
 
     interpreter._patch_lang = patch_once
+
+
+def skip_discarded_overflow_checks():
+    """With its `sanitize_overflow` option on (the interpreter's default), Triton's front end follows
+    every int32 add, sub and mul by the same operation in int64 and two comparisons with int32's
+    range, and hands the result to `device_assert`, which returns without looking at it unless the
+    `debug` option is on (the interpreter's options keep it off). The check costs about a fifth of a
+    kernel's interpreted time and checks nothing, so here it is off while `debug` is off."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not dataclasses.is_dataclass(options) or not getattr(options, "sanitize_overflow", False):
+        return
+    if getattr(options, "debug", True):
+        return
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+def memoize_type_conversions():
+    """Two pure functions of a type that the interpreter calls on every operation of every program:
+    the numpy dtype of a Triton type (`_get_np_dtype` builds a table of 17 numpy dtypes on each call)
+    and a block type's shape, size and name (`block_type.__init__` unwraps and validates the shape on
+    each construction). Each is computed once per distinct argument (per scalar type; per element
+    type's name and shape) and reused."""
+    from triton.language import core
+    from triton.runtime import interpreter
+
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if np_dtype is not None and not getattr(np_dtype, "memoized", False):
+        of_scalar: dict = {}  # scalar type (hashed and compared by name, as Triton's table is) -> numpy dtype
+
+        def get_np_dtype(tt_dtype):
+            scalar = tt_dtype.element_ty if isinstance(tt_dtype, core.block_type) else tt_dtype
+            if isinstance(scalar, core.pointer_type):
+                return np_dtype(tt_dtype)
+            if scalar not in of_scalar:
+                of_scalar[scalar] = np_dtype(scalar)
+            return of_scalar[scalar]
+
+        get_np_dtype.memoized = True
+        get_np_dtype.__wrapped__ = np_dtype
+        interpreter._get_np_dtype = get_np_dtype
+
+    init = core.block_type.__init__
+    if getattr(init, "memoized", False) or list(inspect.signature(init).parameters) != ["self", "element_ty", "shape"]:
+        return
+    known: dict = {}  # (str(element type), shape as given) -> (shape, numel, name)
+
+    def block_type_init(self, element_ty, shape):
+        try:
+            key = (str(element_ty), tuple(shape))
+            shape_numel_name = known.get(key)
+        except TypeError:  # a shape Triton rejects, or an unhashable part: construct as Triton does
+            key = shape_numel_name = None
+        if shape_numel_name is None:
+            init(self, element_ty, shape)
+            if key is not None:
+                known[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = shape_numel_name
+
+    block_type_init.memoized = True
+    block_type_init.__wrapped__ = init
+    core.block_type.__init__ = block_type_init

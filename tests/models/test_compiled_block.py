@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent("""
     import torch
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-        from tests.triton_interpreter import patch_language_once_per_launch
-        patch_language_once_per_launch()
+        from tests.triton_interpreter import speed_up_interpreter
+        speed_up_interpreter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     import torch._functorch.config as fconfig
     fconfig.enable_autograd_cache = True
@@ -61,8 +61,8 @@ def test_rwkv6_and_gsa_blocks_compile_into_one_graph_and_train_like_eager():
         import torch
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
-            from tests.triton_interpreter import patch_language_once_per_launch
-            patch_language_once_per_launch()
+            from tests.triton_interpreter import speed_up_interpreter
+            speed_up_interpreter()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         from flame import ops
         from tests.models.helpers import build_seeded, tiny_args

@@ -30,6 +30,7 @@ def eager_trace(tmp_path_factory):
 
 
 @pytest.mark.interpreter
+@pytest.mark.xdist_group("cpu_compile")  # one worker, one eager_trace (scripts/test.sh: --dist loadgroup)
 @pytest.mark.parametrize("ac, backend", [("elementwise", "inductor"), ("full", "aot_eager_decomp_partition"),
                                          ("selective", "aot_eager_decomp_partition")])
 def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tmp_path, eager_trace, ac, backend,

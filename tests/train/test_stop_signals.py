@@ -21,6 +21,10 @@ from tests.train.faults import (
 )
 from tests.train.helpers import params, tiny_config
 
+pytestmark = pytest.mark.xdist_group("stop_signals")
+"""One pytest worker runs this module (scripts/test.sh distributes with --dist loadgroup), so that
+its module fixtures, the signalled run and its reference, run once."""
+
 
 @pytest.fixture(scope="module")
 def signalled(config):

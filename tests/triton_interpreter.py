@@ -58,10 +58,10 @@ def patch_language_once_per_launch():
 
 def skip_discarded_overflow_checks():
     """With its `sanitize_overflow` option on (the interpreter's default), Triton's front end follows
-    every int32 add, sub and mul by the same operation in int64 and two comparisons with int32's
-    range, and hands the result to `device_assert`, which returns without looking at it unless the
-    `debug` option is on (the interpreter's options keep it off). The check costs about a fifth of a
-    kernel's interpreted time and checks nothing, so here it is off while `debug` is off."""
+    every int32 add, sub and mul by two casts to int64, the operation in int64 and two comparisons
+    with int32's range, and hands the result to `device_assert`, which returns without looking at it
+    unless the `debug` option is on (the interpreter's options keep it off). The check multiplies
+    the work of integer index arithmetic and checks nothing, so here it is off while `debug` is off."""
     import dataclasses
 
     from triton.runtime import interpreter

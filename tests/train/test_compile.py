@@ -38,7 +38,8 @@ def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tmp_path
     """Inductor compiles the blocks under the shipped policy ("elementwise"). The other policies take
     the same path up to Inductor's code generation: Dynamo, AOTAutograd's joint graph and the min-cut
     partitioner that Inductor uses, which decides what the backward saves and recomputes; their
-    graphs then run op by op (backend "aot_eager_decomp_partition"), a minute faster each on CPU."""
+    graphs then run op by op (backend "aot_eager_decomp_partition"), which spares the CPU suite
+    Inductor's C++ compilation of each policy's graphs."""
     if backend != "inductor":
         compile_module = torch.nn.Module.compile
         monkeypatch.setattr(torch.nn.Module, "compile",

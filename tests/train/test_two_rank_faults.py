@@ -19,11 +19,11 @@ from tests.train.faults import (
 )
 
 
-TWO_RANK_STEPS = 8
 pytestmark = pytest.mark.xdist_group("two_rank_faults")
 """One pytest worker runs this module (scripts/test.sh distributes with --dist loadgroup), so that
-its module fixtures, two-rank runs of about a minute, run once."""
+its module fixtures, the suite's longest two-rank runs, run once."""
 
+TWO_RANK_STEPS = 8
 HUNG_TIMEOUT_MINUTES = 0.25
 """The collective timeout of the hung stage (15 s): far above any wait of a working step for the
 other rank on a busy runner (a checkpoint save, a descheduled process), so that only the hang

@@ -96,7 +96,8 @@ def test_the_skipped_overflow_check_is_one_the_interpreter_discards(monkeypatch)
         pytest.skip("this Triton's interpreter has another shape; tests/triton_interpreter.py leaves it alone")
     assert not options.sanitize_overflow and not options.debug
     skipped = _mixed_run()
-    monkeypatch.setattr(interpreter.interpreter_builder, "options", dataclasses.replace(options, sanitize_overflow=True))
+    monkeypatch.setattr(interpreter.interpreter_builder, "options",
+                        dataclasses.replace(options, sanitize_overflow=True))
     checked = _mixed_run()  # int32 overflows, and the check lets it pass: its verdict goes nowhere
     for a, b in zip(skipped, checked):
         assert torch.equal(a, b)

@@ -28,9 +28,9 @@ def test_tests_of_one_xdist_group_run_on_one_worker(tmp_path):
     (tmp_path / "test_grouped.py").write_text(GROUPED)
     base = tmp_path / "base"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # this suite's own worker's
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
-                          "--basetemp", str(base), "test_grouped.py"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
+                          "-p", "no:cacheprovider", "--basetemp", str(base), "test_grouped.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     workers = [p.read_text() for p in base.glob("*.worker")]
     assert len(workers) == 6, run.stdout

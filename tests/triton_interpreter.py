@@ -2,9 +2,10 @@
 (tests/conftest.py applies it; scripts that tests start in a subprocess call it themselves) removes
 work whose result the interpreter throws away or recomputes, so kernels compute exactly what they
 compute without it (tests/test_triton_interpreter.py). Each part leaves a Triton whose interpreter
-has another shape as it is."""
+has another shape as it is, and applying one twice changes nothing: each replacement keeps the function
+it replaces as `__wrapped__`."""
 
-
+import dataclasses
 import inspect
 
 
@@ -27,7 +28,7 @@ def patch_language_once_per_launch():
     from triton.runtime import interpreter
 
     patch_lang = getattr(interpreter, "_patch_lang", None)
-    if patch_lang is None or not hasattr(interpreter, "_LangPatchScope"):
+    if patch_lang is None or hasattr(patch_lang, "__wrapped__") or not hasattr(interpreter, "_LangPatchScope"):
         return
     languages = (language, language.core)
     modules_of: dict = {}  # function -> ids of the language modules its globals hold
@@ -53,6 +54,7 @@ def patch_language_once_per_launch():
         scope.restore = restore_and_end_launch
         return scope
 
+    patch_once.__wrapped__ = patch_lang
     interpreter._patch_lang = patch_once
 
 
@@ -62,8 +64,6 @@ def skip_discarded_overflow_checks():
     with int32's range, and hands the result to `device_assert`, which returns without looking at it
     unless the `debug` option is on (the interpreter's options keep it off). The check multiplies
     the work of integer index arithmetic and checks nothing, so here it is off while `debug` is off."""
-    import dataclasses
-
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "interpreter_builder", None)
@@ -85,23 +85,22 @@ def memoize_type_conversions():
     from triton.runtime import interpreter
 
     np_dtype = getattr(interpreter, "_get_np_dtype", None)
-    if np_dtype is not None and not getattr(np_dtype, "memoized", False):
+    if np_dtype is not None and not hasattr(np_dtype, "__wrapped__"):
         of_scalar: dict = {}  # scalar type (hashed and compared by name, as Triton's table is) -> numpy dtype
 
         def get_np_dtype(tt_dtype):
             scalar = tt_dtype.element_ty if isinstance(tt_dtype, core.block_type) else tt_dtype
-            if isinstance(scalar, core.pointer_type):
-                return np_dtype(tt_dtype)
+            if isinstance(scalar, core.pointer_type):  # Triton's first test: no table built
+                return np_dtype(scalar)
             if scalar not in of_scalar:
                 of_scalar[scalar] = np_dtype(scalar)
             return of_scalar[scalar]
 
-        get_np_dtype.memoized = True
         get_np_dtype.__wrapped__ = np_dtype
         interpreter._get_np_dtype = get_np_dtype
 
     init = core.block_type.__init__
-    if getattr(init, "memoized", False) or list(inspect.signature(init).parameters) != ["self", "element_ty", "shape"]:
+    if hasattr(init, "__wrapped__") or list(inspect.signature(init).parameters) != ["self", "element_ty", "shape"]:
         return
     known: dict = {}  # (str(element type), shape as given) -> (shape, numel, name)
 
@@ -109,7 +108,7 @@ def memoize_type_conversions():
         try:
             key = (str(element_ty), tuple(shape))
             shape_numel_name = known.get(key)
-        except TypeError:  # a shape Triton rejects, or an unhashable part: construct as Triton does
+        except TypeError:  # a shape that is no sequence, or an unhashable part: construct as Triton does
             key = shape_numel_name = None
         if shape_numel_name is None:
             init(self, element_ty, shape)
@@ -119,6 +118,5 @@ def memoize_type_conversions():
         self.element_ty = element_ty
         self.shape, self.numel, self.name = shape_numel_name
 
-    block_type_init.memoized = True
     block_type_init.__wrapped__ = init
     core.block_type.__init__ = block_type_init

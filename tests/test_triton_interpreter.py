@@ -1,8 +1,8 @@
 """tests/triton_interpreter.py: under it a kernel built from helpers computes what the interpreter
 computes, walks triton.language as often as a kernel without helpers does (once per launch, not once
 per helper call and program), and leaves the language as it found it; the overflow check it skips
-is one whose verdict the interpreter discards; its memoized type conversions give what Triton's own
-give, and kernels compute bitwise the same with them."""
+is one whose verdict the interpreter discards; its memoized type conversions and shared tensor shapes
+give what Triton's own give, and kernels compute bitwise the same with them."""
 
 import dataclasses
 
@@ -127,3 +127,30 @@ def test_memoized_type_conversions_give_what_tritons_own_give(monkeypatch):
     monkeypatch.setattr(tl.core.block_type, "__init__", init.__wrapped__)
     for a, b in zip(memoized, _mixed_run()):
         assert torch.equal(a, b)
+
+
+def _shape_and_numel(t):
+    return [tl.core._unwrap_if_constexpr(s) for s in t.shape], tl.core._unwrap_if_constexpr(t.numel)
+
+
+def test_shared_tensor_shapes_are_tritons_own(monkeypatch):
+    init = tl.core.tensor.__init__
+    if not hasattr(init, "__wrapped__"):
+        pytest.skip("this Triton's interpreter has another shape; tests/triton_interpreter.py leaves it alone")
+    types = [tl.float32, tl.int1, tl.block_type(tl.float32, [16, 32]), tl.block_type(tl.bfloat16, [16, 32]),
+             tl.block_type(tl.pointer_type(tl.float32), [8]), tl.block_type(tl.int32, [2, 4, 8])]
+    for ty in types:
+        for _ in range(2):  # built, then shared
+            shared, own = object.__new__(tl.core.tensor), object.__new__(tl.core.tensor)
+            init(shared, None, ty)
+            init.__wrapped__(own, None, ty)
+            assert shared.type is own.type is ty and shared.dtype == own.dtype and shared.handle is None
+            assert _shape_and_numel(shared) == _shape_and_numel(own), ty
+    a, b = object.__new__(tl.core.tensor), object.__new__(tl.core.tensor)
+    init(a, None, tl.block_type(tl.float32, [4, 8]))
+    init(b, None, tl.block_type(tl.float32, [4, 8]))
+    assert a.shape is b.shape, "tensors of one type share their shape"
+    shared_run = _mixed_run()
+    monkeypatch.setattr(tl.core.tensor, "__init__", init.__wrapped__)
+    for x, y in zip(shared_run, _mixed_run()):
+        assert torch.equal(x, y)

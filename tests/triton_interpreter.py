@@ -14,6 +14,7 @@ def speed_up_interpreter():
     patch_language_once_per_launch()
     skip_discarded_overflow_checks()
     memoize_type_conversions()
+    share_tensor_shapes()
 
 
 def patch_language_once_per_launch():
@@ -120,3 +121,31 @@ def memoize_type_conversions():
 
     block_type_init.__wrapped__ = init
     core.block_type.__init__ = block_type_init
+
+
+def share_tensor_shapes():
+    """A Triton tensor's `shape` is a Triton tuple of constexpr wrappers of its type's shape and `numel`
+    a constexpr of their product, rebuilt by `tensor.__init__` for every value that every operation
+    of every program makes. Here tensors of one type share one such tuple and one `numel` (constexprs
+    are values that no operation changes), built on the type's first tensor and found by the block
+    type's name (its shape and element type; a scalar's are ()), a string: Triton's tuples compare
+    slowly as dict keys. The other attributes are set as Triton sets them."""
+    from triton.language import core
+
+    init = core.tensor.__init__
+    if hasattr(init, "__wrapped__") or list(inspect.signature(init).parameters) != ["self", "handle", "type"]:
+        return
+    by_type: dict = {}  # a block type's name, or None for a scalar type -> (shape, numel)
+
+    def tensor_init(self, handle, type):
+        key = type.name if type.is_block() else None
+        shared = by_type.get(key)
+        if shared is None:
+            init(self, handle, type)
+            by_type[key] = (self.shape, self.numel)
+            return
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        self.shape, self.numel = shared
+
+    tensor_init.__wrapped__ = init
+    core.tensor.__init__ = tensor_init

@@ -1,8 +1,8 @@
 """tests/triton_interpreter.py: under it a kernel built from helpers computes what the interpreter
 computes, walks triton.language as often as a kernel without helpers does (once per launch, not once
 per helper call and program), and leaves the language as it found it; the overflow check it skips
-is one whose verdict the interpreter discards; its memoized type conversions and shared tensor shapes
-give what Triton's own give, and kernels compute bitwise the same with them."""
+is one whose verdict the interpreter discards; its memoized type conversions, shared tensor shapes and
+shortcut broadcasts give what Triton's own give, and kernels compute bitwise the same with them."""
 
 import dataclasses
 
@@ -153,4 +153,32 @@ def test_shared_tensor_shapes_are_tritons_own(monkeypatch):
     shared_run = _mixed_run()
     monkeypatch.setattr(tl.core.tensor, "__init__", init.__wrapped__)
     for x, y in zip(shared_run, _mixed_run()):
+        assert torch.equal(x, y)
+
+
+def test_equal_shape_broadcasts_return_what_tritons_own_returns(monkeypatch):
+    semantic = interpreter.interpreter_semantic
+    broadcast = semantic.broadcast_impl_value
+    if not hasattr(broadcast, "__wrapped__"):
+        pytest.skip("this Triton's interpreter has another shape; tests/triton_interpreter.py leaves it alone")
+    f32, bf16 = tl.float32, tl.bfloat16
+
+    def block(dtype, shape):
+        return semantic.splat(semantic.to_tensor(1.0), shape) if dtype is f32 else \
+            semantic.cast(semantic.splat(semantic.to_tensor(1.0), shape), dtype)
+
+    pairs = [(block(f32, [4, 8]), block(bf16, [4, 8])), (block(f32, [4, 8]), block(f32, [1, 8])),
+             (block(f32, [8]), block(f32, [4, 8])), (block(f32, [4, 1]), block(f32, [1, 8])),
+             (block(f32, [4, 8]), semantic.to_tensor(2.0))]
+    for lhs, rhs in pairs:
+        fast, own = broadcast(lhs, rhs), broadcast.__wrapped__(lhs, rhs)
+        for a, b in zip(fast, own):
+            assert list(a.type.shape) == list(b.type.shape) and a.dtype == b.dtype
+        if rhs.type.is_block() and list(lhs.type.shape) == list(rhs.type.shape):
+            assert fast[0] is lhs and fast[1] is rhs and own[0] is lhs and own[1] is rhs
+    with pytest.raises(ValueError):
+        broadcast(block(f32, [4, 8]), block(f32, [8, 4]))  # Triton's own check still runs on other shapes
+    shortcut = _mixed_run()
+    monkeypatch.setattr(semantic, "broadcast_impl_value", broadcast.__wrapped__)
+    for x, y in zip(shortcut, _mixed_run()):
         assert torch.equal(x, y)

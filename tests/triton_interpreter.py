@@ -15,6 +15,7 @@ def speed_up_interpreter():
     skip_discarded_overflow_checks()
     memoize_type_conversions()
     share_tensor_shapes()
+    skip_equal_shape_broadcasts()
 
 
 def patch_language_once_per_launch():
@@ -149,3 +150,27 @@ def share_tensor_shapes():
 
     tensor_init.__wrapped__ = init
     core.tensor.__init__ = tensor_init
+
+
+def skip_equal_shape_broadcasts():
+    """Every binary operation first makes its operands' shapes compatible (`broadcast_impl_value`),
+    comparing the shapes dimension by dimension as Triton tuples, which wrap each comparison in a
+    constexpr, and returns the operands unchanged when two blocks have one shape. Here the
+    interpreter's semantic answers that case after one comparison of the plain shape lists; every
+    other case (a scalar, other shapes) goes to Triton's own."""
+    from triton.runtime import interpreter
+
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    broadcast = getattr(semantic, "broadcast_impl_value", None)
+    if broadcast is None or hasattr(broadcast, "__wrapped__"):
+        return
+
+    def broadcast_impl_value(lhs, rhs):
+        lhs_ty, rhs_ty = lhs.type, rhs.type
+        if lhs_ty.is_block() and rhs_ty.is_block() and (
+                lhs_ty.shape is rhs_ty.shape or list(lhs_ty.shape) == list(rhs_ty.shape)):
+            return lhs, rhs
+        return broadcast(lhs, rhs)
+
+    broadcast_impl_value.__wrapped__ = broadcast
+    semantic.broadcast_impl_value = broadcast_impl_value

@@ -164,8 +164,7 @@ def test_equal_shape_broadcasts_return_what_tritons_own_returns(monkeypatch):
     f32, bf16 = tl.float32, tl.bfloat16
 
     def block(dtype, shape):
-        return semantic.splat(semantic.to_tensor(1.0), shape) if dtype is f32 else \
-            semantic.cast(semantic.splat(semantic.to_tensor(1.0), shape), dtype)
+        return semantic.cast(semantic.splat(semantic.to_tensor(1.0), shape), dtype)
 
     pairs = [(block(f32, [4, 8]), block(bf16, [4, 8])), (block(f32, [4, 8]), block(f32, [1, 8])),
              (block(f32, [8]), block(f32, [4, 8])), (block(f32, [4, 1]), block(f32, [1, 8])),

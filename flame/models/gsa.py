@@ -149,9 +149,9 @@ class GSABlock(nn.Module):
     def __init__(self, args, layer_id: int):
         super().__init__()
         C, eps = args.hidden_size, args.norm_eps
-        self.attn_norm = RMSNorm(C, eps=eps)
+        self.attn_norm = RMSNorm(C, eps=eps, backend=args.backend)
         self.attn = GSAAttention(args, layer_id)
-        self.mlp_norm = RMSNorm(C, eps=eps)
+        self.mlp_norm = RMSNorm(C, eps=eps, backend=args.backend)
         self.mlp = GSAMLP(args, layer_id)
 
     @torch.no_grad()
@@ -203,7 +203,7 @@ class GSAForCausalLM(CausalLM):
         return [GSABlock(args, i) for i in range(args.num_layers)]
 
     def _build_norm(self, args) -> nn.Module:
-        return RMSNorm(args.hidden_size, eps=args.norm_eps)
+        return RMSNorm(args.hidden_size, eps=args.norm_eps, backend=args.backend)
 
     def _init_embeddings_and_head(self) -> None:
         init.normal_(self.embeddings.weight, INIT_STD)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flame import ops
+
 
 def like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`param` in the dtype of the activation `x` it is combined with."""
@@ -23,10 +25,16 @@ def like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm whose output has the input's dtype (autocast computes it in fp32)."""
+    """nn.LayerNorm (its parameters, state-dict names and init) whose output has the input's dtype,
+    computed by flame.ops.layer_norm: fp32 statistics; on CUDA one Triton pass each way, the weight
+    and bias gradients in the backward's pass."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, backend: str = "auto"):
+        super().__init__(normalized_shape, eps=eps)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x).to(x.dtype)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
 
 
 class GroupNorm(nn.GroupNorm):
@@ -37,7 +45,12 @@ class GroupNorm(nn.GroupNorm):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm whose output has the input's dtype (autocast computes it in fp32)."""
+    """nn.RMSNorm (its parameter, state-dict name and init) whose output has the input's dtype,
+    computed by flame.ops.rms_norm as LayerNorm is by flame.ops.layer_norm."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, backend: str = "auto"):
+        super().__init__(normalized_shape, eps=eps)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, backend=self.backend)

@@ -47,10 +47,10 @@ class RWKVBlock(nn.Module):
         self.is_first = layer_id == 0
         C, eps = args.hidden_size, args.norm_eps
         if layer_id == 0:
-            self.pre_norm = LayerNorm(C, eps=eps)
-        self.attn_norm = LayerNorm(C, eps=eps)
+            self.pre_norm = LayerNorm(C, eps=eps, backend=args.backend)
+        self.attn_norm = LayerNorm(C, eps=eps, backend=args.backend)
         self.attn = attn
-        self.ffn_norm = LayerNorm(C, eps=eps)
+        self.ffn_norm = LayerNorm(C, eps=eps, backend=args.backend)
         self.ffn = ffn
 
     @torch.no_grad()
@@ -108,7 +108,7 @@ class RWKVCausalLM(CausalLM):
         self.l2wrap = bool(getattr(args, "l2wrap", False))
 
     def _build_norm(self, args) -> nn.Module:
-        return LayerNorm(args.hidden_size, eps=args.norm_eps)
+        return LayerNorm(args.hidden_size, eps=args.norm_eps, backend=args.backend)
 
     def _init_embeddings_and_head(self) -> None:
         """Official RWKV: embeddings U(+-1e-4); head orthogonal with gain 0.5 sqrt(vocab / C) when

@@ -43,8 +43,8 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.a
 
 def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     """The "elementwise" policy: a block saves for its backward the outputs of its matrix
-    products, of flame's ops (namespace `flame`) and of autocast's casts of its parameters, and
-    recomputes the rest (norms, gates, activations). Of the token-shift lerps
+    products, of flame's ops (namespace `flame`) but its norms, and of autocast's casts of its
+    parameters, and recomputes the rest (norms, gates, activations). Of the token-shift lerps
     (`token_shift_mix`), it recomputes those whose recomputation moves fewer than two tensors per
     output it spares (RWKV7's six static lerps: one read and six writes for six outputs; the
     two of RWKV6's channel mix), and keeps the others (a single lerp; RWKV6's five data-dependent
@@ -56,6 +56,8 @@ def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     if func.name() == "flame::token_shift_mix_fwd" and not _lerps_worth_saving(*args[:3]):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if func.name() == "flame::norm_fwd":  # one read and one write, as any elementwise op
         return CheckpointPolicy.PREFER_RECOMPUTE
     if func in _MATMULS or func.namespace == "flame":
         return CheckpointPolicy.MUST_SAVE

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..utils.dtypes import accumulation_dtype
+from ..utils.triton_dtypes import tl_accumulation_dtype
 
 MAX_BRANCHES = 6
 BLOCK_CHANNELS, BLOCK_ROWS, WARPS = 128, 32, 4  # forward
@@ -196,11 +197,6 @@ def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, 
         tl.store(p_mu + 5 * n_prog * C, acc5, mask=m_col)
 
 
-def _tl_accumulation_dtype(dtype: torch.dtype):
-    """accumulation_dtype(dtype) as a Triton dtype."""
-    return {torch.float32: tl.float32, torch.float64: tl.float64}[accumulation_dtype(dtype)]
-
-
 def _padded(tensors: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
     """The branch tensors, padded with `filler` to MAX_BRANCHES kernel arguments."""
     return list(tensors) + [filler] * (MAX_BRANCHES - len(tensors))
@@ -220,7 +216,7 @@ def mix_forward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, start
     grid = (triton.cdiv(C, BLOCK_CHANNELS), triton.cdiv(n_rows, BLOCK_ROWS))
     _mix_fwd_kernel[grid](
         x, _starts_arg(x, starts), mu, m if m is not None else x, *_padded(outs, x), T, C, n_rows, n_rows * C,
-        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=_tl_accumulation_dtype(x.dtype), BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
+        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=tl_accumulation_dtype(x.dtype), BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
         num_warps=WARPS,
     )
     return outs
@@ -259,7 +255,7 @@ def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, star
     _mix_bwd_kernel[grid](
         x, _starts_arg(x, starts), mu, m if m is not None else x, *_padded(grads, x), dx,
         dm if dm is not None else x, dmu_part, T, C, n_rows, n_rows * C,
-        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=_tl_accumulation_dtype(x.dtype),
+        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=tl_accumulation_dtype(x.dtype),
         BC=channels, ROWS=rows, num_warps=warps,
     )
     return dx, dmu_part, dm

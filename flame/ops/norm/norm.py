@@ -1,0 +1,71 @@
+"""layer_norm and rms_norm over the last dimension, in the input's dtype with fp32 statistics.
+
+The models' norms (flame.models.precision) run through these: x in the compute dtype (bf16), the
+weight and bias in theirs (fp32 parameters under autocast, bf16 copies under FSDP's mixed
+precision), the mean, variance and normalisation in fp32 (fp64 for fp64 x), the output in x's
+dtype. The Triton form reads x once forward and x and dy once backward, weight and bias gradients
+included (flame.ops.norm.norm_triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..utils.backend import resolve_backend
+from ..utils.checks import FLOAT_DTYPES
+from ..utils.dtypes import autocast_off
+
+
+def norm_torch(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+               rms: bool) -> torch.Tensor:
+    """The norm in PyTorch (autograd through F.layer_norm / F.rms_norm on fp32 copies)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    wf = weight.to(acc) if weight is not None else None
+    if rms:
+        y = F.rms_norm(xf, x.shape[-1:], wf, eps)
+    else:
+        y = F.layer_norm(xf, x.shape[-1:], wf, bias.to(acc) if bias is not None else None, eps)
+    return y.to(x.dtype)
+
+
+def _check_inputs(op: str, x, weight, bias, eps) -> None:
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{op}: x must be [..., C] with C > 0, got shape {tuple(x.shape)}")
+    C = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (C,):
+            raise ValueError(f"{op}: {name} must be [C] = [{C}] (x's last dimension), got shape {tuple(t.shape)}")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{op}: {name} must be on x's device {x.device}, got {t.device}")
+    if not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{op}: eps must be a positive number, got {eps!r}")
+
+
+def _norm(op: str, x, weight, bias, eps, rms: bool, backend: str) -> torch.Tensor:
+    _check_inputs(op, x, weight, bias, eps)
+    with autocast_off(x.device):
+        if resolve_backend(backend, x.device, op) == "triton":
+            from .norm_triton import norm_triton
+            return norm_triton(x, weight, bias, eps, rms)
+        return norm_torch(x, weight, bias, eps, rms)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *,
+               backend: str = "auto") -> torch.Tensor:
+    """LayerNorm of x [..., C] over C: (x - mean) / sqrt(var + eps) * weight + bias, with the
+    biased variance; weight and bias [C] or None. Returns x's shape and dtype.
+    backend: "auto" (Triton for CUDA tensors, PyTorch for CPU), "triton" or "torch"."""
+    return _norm("layer_norm", x, weight, bias, eps, False, backend)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, backend: str = "auto") -> torch.Tensor:
+    """RMSNorm of x [..., C] over C: x / sqrt(mean(x^2) + eps) * weight; weight [C] or None.
+    Returns x's shape and dtype. backend: as layer_norm's."""
+    return _norm("rms_norm", x, weight, None, eps, True, backend)

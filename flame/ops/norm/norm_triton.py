@@ -1,0 +1,186 @@
+"""LayerNorm and RMSNorm over the last dimension in Triton: one pass over x forward, one pass over
+x and dy backward that also sums the weight and bias gradients.
+
+Per row of C channels, with x^ = (x - mean) rstd (RMSNorm: mean = 0), rstd = 1 / sqrt(var + eps)
+and var the mean of (x - mean)^2:
+    y  = x^ w + b
+    dx = rstd (w dy - x^ mean(x^ w dy) - mean(w dy))     (RMSNorm: without the last term)
+    dw = sum over rows of dy x^,  db = sum over rows of dy
+The backward recomputes mean and rstd from x, which it reads anyway, so the forward saves nothing
+but its input. A backward program walks ROWS_PER_PROGRAM rows in tiles of whole rows and keeps its
+dw and db sums in registers; the per-program partial sums are added up afterwards (in a fixed
+order: deterministic), by the caller, where torch.compile fuses that sum with what follows. Eager
+and compiled PyTorch instead read x and dy a second time in a reduction kernel of their own for dw.
+All arithmetic is fp32 (fp64 for fp64 inputs); outputs round once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils.dtypes import accumulation_dtype
+from ..utils.triton_dtypes import tl_accumulation_dtype
+
+TILE_ELEMENTS = 4096      # rows per tile: as many whole rows as fit this many elements (at least one)
+ROWS_PER_PROGRAM = 64     # backward rows per program, a multiple of every tile's rows
+WARPS = 8
+
+
+@triton.jit
+def _normalized(b_x, m_col, C, eps, RMS: tl.constexpr):
+    """(x^, rstd) of a [BR, BC] tile of whole rows (columns past C masked to 0 by `m_col`)."""
+    if RMS:
+        centred = b_x
+    else:
+        centred = tl.where(m_col[None, :], b_x - (tl.sum(b_x, axis=1) / C)[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / C + eps)
+    return centred * rstd[:, None], rstd
+
+
+@triton.jit
+def _norm_fwd_kernel(x, w, b, y, N_ROWS, C, eps, RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BC)
+    m_col = cols < C
+    mask = (rows < N_ROWS)[:, None] & m_col[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    x_hat, _ = _normalized(tl.load(x + offs, mask=mask, other=0).to(ACC), m_col, C, eps, RMS)
+    out = x_hat
+    if HAS_W:
+        out = out * tl.load(w + cols, mask=m_col, other=0).to(ACC)[None, :]
+    if HAS_B:
+        out = out + tl.load(b + cols, mask=m_col, other=0).to(ACC)[None, :]
+    tl.store(y + offs, out.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(x, w, dy, dx, dw_part, db_part, N_ROWS, C, eps, RMS: tl.constexpr, HAS_W: tl.constexpr,
+                     HAS_B: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                     ROWS: tl.constexpr):
+    i_p = tl.program_id(0)
+    cols = tl.arange(0, BC)
+    m_col = cols < C
+    if HAS_W:
+        b_w = tl.load(w + cols, mask=m_col, other=0).to(ACC)
+    acc_w = tl.zeros([BR, BC], dtype=ACC)
+    acc_b = tl.zeros([BR, BC], dtype=ACC)
+    for i in range(0, ROWS, BR):
+        rows = i_p * ROWS + i + tl.arange(0, BR)
+        mask = (rows < N_ROWS)[:, None] & m_col[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        x_hat, rstd = _normalized(tl.load(x + offs, mask=mask, other=0).to(ACC), m_col, C, eps, RMS)
+        b_dy = tl.load(dy + offs, mask=mask, other=0).to(ACC)
+        wdy = b_dy * b_w[None, :] if HAS_W else b_dy
+        grad = wdy - x_hat * (tl.sum(x_hat * wdy, axis=1) / C)[:, None]
+        if not RMS:
+            grad = grad - (tl.sum(wdy, axis=1) / C)[:, None]
+        tl.store(dx + offs, (grad * rstd[:, None]).to(dx.dtype.element_ty), mask=mask)
+        acc_w += b_dy * x_hat
+        acc_b += b_dy
+    if HAS_W:
+        tl.store(dw_part + i_p * C + cols, tl.sum(acc_w, axis=0), mask=m_col)
+    if HAS_B:
+        tl.store(db_part + i_p * C + cols, tl.sum(acc_b, axis=0), mask=m_col)
+
+
+def tile_rows(C: int) -> int:
+    """Rows in a tile of whole rows of C channels."""
+    return max(1, TILE_ELEMENTS // triton.next_power_of_2(C))
+
+
+def backward_programs(n_rows: int) -> int:
+    """Backward programs over `n_rows` rows: each sums its rows' dw and db into one partial row."""
+    return triton.cdiv(n_rows, ROWS_PER_PROGRAM)
+
+
+def norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                 rms: bool) -> torch.Tensor:
+    """y in x's dtype; x [..., C] contiguous."""
+    C = x.shape[-1]
+    n_rows = x.numel() // C
+    y = torch.empty_like(x)
+    BR = tile_rows(C)
+    _norm_fwd_kernel[(triton.cdiv(n_rows, BR),)](
+        x, weight if weight is not None else x, bias if bias is not None else x, y, n_rows, C, eps,
+        RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ACC=tl_accumulation_dtype(x.dtype),
+        BR=BR, BC=triton.next_power_of_2(C), num_warps=WARPS,
+    )
+    return y
+
+
+def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor, eps: float, rms: bool,
+                  has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dw's and db's per-program partial sums [programs, C] in the accumulation
+    dtype; an empty tensor for an absent weight or bias); x and dy [..., C] contiguous."""
+    C = x.shape[-1]
+    n_rows = x.numel() // C
+    n_prog = backward_programs(n_rows)
+    acc = accumulation_dtype(x.dtype)
+    dx = torch.empty_like(x)
+    dw_part = torch.empty(n_prog, C, dtype=acc, device=x.device) if weight is not None else x.new_empty(0, dtype=acc)
+    db_part = torch.empty(n_prog, C, dtype=acc, device=x.device) if has_bias else x.new_empty(0, dtype=acc)
+    BR = tile_rows(C)
+    _norm_bwd_kernel[(n_prog,)](
+        x, weight if weight is not None else x, dy, dx, dw_part, db_part, n_rows, C, eps,
+        RMS=rms, HAS_W=weight is not None, HAS_B=has_bias, ACC=tl_accumulation_dtype(x.dtype),
+        BR=BR, BC=triton.next_power_of_2(C), ROWS=ROWS_PER_PROGRAM, num_warps=WARPS,
+    )
+    return dx, dw_part, db_part
+
+
+# custom ops: what torch.compile sees (one opaque node each way, so the block stays one graph)
+
+@torch.library.custom_op("flame::norm_fwd", mutates_args=())
+def _norm_fwd_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                 rms: bool) -> torch.Tensor:
+    return norm_forward(x, weight, bias, eps, rms)
+
+
+@_norm_fwd_op.register_fake
+def _(x, weight, bias, eps, rms):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("flame::norm_bwd", mutates_args=())
+def _norm_bwd_op(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor, eps: float, rms: bool,
+                 has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_backward(x, weight, dy, eps, rms, has_bias)
+
+
+@_norm_bwd_op.register_fake
+def _(x, weight, dy, eps, rms, has_bias):
+    C = x.shape[-1]
+    acc = accumulation_dtype(x.dtype)
+    partial = (backward_programs(x.numel() // C), C)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(partial if weight is not None else (0,), dtype=acc),
+            x.new_empty(partial if has_bias else (0,), dtype=acc))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, eps, rms = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.rms, ctx.has_bias = eps, rms, bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _backward_op(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw_part, db_part = torch.ops.flame.norm_bwd(x, weight, dy.contiguous(), ctx.eps, ctx.rms, ctx.has_bias)
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+    db = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
+    return dx, dw, db, None, None
+
+
+_norm_fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
+
+
+def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                rms: bool) -> torch.Tensor:
+    """The norm through the Triton kernels; inputs validated by flame.ops.norm.norm."""
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    return torch.ops.flame.norm_fwd(x.contiguous(), weight, bias, float(eps), rms)

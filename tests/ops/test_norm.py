@@ -1,0 +1,162 @@
+"""layer_norm and rms_norm (flame.ops.norm) against an fp64 row-by-row oracle with autograd.
+
+CPU runs use the Triton interpreter (set by conftest) at small shapes: 140 rows span several
+backward programs and a partial last one (and a partial last forward tile); C = 100 is not a power
+of two, so every tile masks channels. GPU tests (`-m gpu`) run bf16 at the 340M, 1B and 2.9B
+hidden sizes.
+"""
+
+import pytest
+import torch
+
+from flame import ops
+from flame.ops.norm.norm_triton import ROWS_PER_PROGRAM, tile_rows
+from tests.ops.assertions import assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RATIO = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+EPS = 1e-5
+
+
+def oracle(x, weight, bias, eps, rms):
+    """The norm in fp64, one row at a time (the parameters cast once: their gradients sum in fp64)."""
+    weight = weight.double() if weight is not None else None
+    bias = bias.double() if bias is not None else None
+    rows = []
+    for row in x.double().reshape(-1, x.shape[-1]).unbind(0):
+        centred = row if rms else row - row.mean()
+        out = centred / torch.sqrt((centred * centred).mean() + eps)
+        if weight is not None:
+            out = out * weight
+        if bias is not None:
+            out = out + bias
+        rows.append(out)
+    return torch.stack(rows).reshape(x.shape)
+
+
+def _inputs(shape, dtype, param_dtype, affine, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    C = shape[-1]
+    x = (3 * torch.randn(*shape, generator=gen) + 1.5).to(DEVICE, dtype).requires_grad_()
+    w = (1 + 0.2 * torch.randn(C, generator=gen)).to(DEVICE, param_dtype).requires_grad_() if affine else None
+    b = (0.2 * torch.randn(C, generator=gen)).to(DEVICE, param_dtype).requires_grad_() if bias else None
+    dy = torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+    return x, w, b, dy
+
+
+def _run(fn, x, w, b, dy):
+    y = fn(x, w, b)
+    leaves = [t for t in (x, w, b) if t is not None]
+    return y, torch.autograd.grad((y.double() * dy.double()).sum(), leaves)
+
+
+def _call(rms, backend):
+    if rms:
+        return lambda x, w, b: ops.rms_norm(x, w, EPS, backend=backend)
+    return lambda x, w, b: ops.layer_norm(x, w, b, EPS, backend=backend)
+
+
+def _assert_matches_oracle(rms, x, w, b, dy, ratio, backend="triton"):
+    ref_y, ref_grads = _run(lambda *a: oracle(*a, EPS, rms), x, w, b, dy)
+    y, grads = _run(_call(rms, backend), x, w, b, dy)
+    assert y.dtype == x.dtype
+    assert_close("y", ref_y, y, ratio)
+    names = [n for n, t in (("dx", x), ("dw", w), ("db", b)) if t is not None]
+    for name, leaf, r, g in zip(names, [t for t in (x, w, b) if t is not None], ref_grads, grads):
+        assert g.dtype == leaf.dtype, name
+        assert_close(name, r, g, ratio)
+
+
+NORMS = [(False, True, True), (False, False, False), (True, True, False), (True, False, False)]
+NORM_IDS = ["layer_norm", "layer_norm_plain", "rms_norm", "rms_norm_plain"]
+
+
+@pytest.mark.parametrize("rms, affine, bias", NORMS, ids=NORM_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_fp64_oracle(rms, affine, bias, dtype):
+    # 2 x 70 rows: three backward programs, the last partial, and a partial last forward tile
+    assert 140 % ROWS_PER_PROGRAM and 140 > 2 * ROWS_PER_PROGRAM and 140 % tile_rows(100)
+    _assert_matches_oracle(rms, *_inputs((2, 70, 100), dtype, dtype, affine, bias), RATIO[dtype])
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_bf16_activations_with_fp32_parameters(rms):
+    """Under autocast on one GPU the parameters stay fp32 and the activations are bf16: the output
+    and dx are bf16, the parameter gradients fp32."""
+    _assert_matches_oracle(rms, *_inputs((3, 17, 48), torch.bfloat16, torch.float32, True, not rms, seed=1),
+                           RATIO[torch.bfloat16])
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_rows_wider_than_a_tile(rms):
+    """C past TILE_ELEMENTS: one row per tile."""
+    C = 5000
+    assert tile_rows(C) == 1
+    _assert_matches_oracle(rms, *_inputs((3, C), torch.float32, torch.float32, True, not rms, seed=2),
+                           RATIO[torch.float32])
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_torch_backend_matches_oracle(rms):
+    _assert_matches_oracle(rms, *_inputs((2, 9, 24), torch.bfloat16, torch.float32, True, not rms, seed=3),
+                           RATIO[torch.bfloat16], backend="torch")
+
+
+def test_constant_rows_stay_finite():
+    """A row of one value has zero variance: the output is the bias, and every gradient is finite
+    (eps keeps rstd finite; masked channels never enter the statistics)."""
+    x, w, b, dy = _inputs((4, 100), torch.float32, torch.float32, True, True, seed=4)
+    with torch.no_grad():
+        x[1] = 7.0
+    y, grads = _run(_call(False, "triton"), x, w, b, dy)
+    torch.testing.assert_close(y[1], b.detach(), rtol=0, atol=1e-6)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(weight=torch.ones(9)), "weight must be"),
+    (dict(bias=torch.ones(4, 8)), "bias must be"),
+    (dict(x=torch.zeros(3, 8, dtype=torch.int64)), "x must be floating"),
+    (dict(x=torch.zeros(3, 0)), "x must be"),
+    (dict(eps=0.0), "eps must be"),
+    (dict(weight=[1.0] * 8), "weight must be a torch.Tensor"),
+])
+def test_bad_inputs_are_named(bad, message):
+    args = dict(x=torch.zeros(3, 8), weight=torch.ones(8), bias=torch.zeros(8), eps=EPS) | bad
+    with pytest.raises((ValueError, TypeError), match=message):
+        ops.layer_norm(args["x"], args["weight"], args["bias"], args["eps"])
+
+
+def test_inside_torch_compile_equals_eager():
+    """The trainer compiles each block: the norm is a custom op pair that the compiled graph calls."""
+    torch._dynamo.reset()
+    x, w, b, dy = _inputs((2, 24, 40), torch.float32, torch.float32, True, True, seed=5)
+
+    def run(x, w, b):
+        return ops.layer_norm(x * 1.0, w, b, EPS, backend="triton") * 2
+
+    eager = _run(run, x, w, b, dy)
+    compiled = _run(torch.compile(run, backend="aot_eager", fullgraph=True), x, w, b, dy)
+    for r, o in zip([eager[0], *eager[1]], [compiled[0], *compiled[1]]):
+        torch.testing.assert_close(o, r, rtol=0, atol=0)
+
+
+def test_custom_op_passes_opcheck():
+    """The forward op's schema, fake (meta) implementation and compiled autograd."""
+    x, w, b, _ = _inputs((2, 5, 40), torch.float32, torch.float32, True, True, seed=6)
+    torch.library.opcheck(torch.ops.flame.norm_fwd.default, (x, w, b, EPS, False),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [1024, 2048, 2560])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_gpu_bf16_model_sizes(C, rms):
+    """32768 tokens at the hidden sizes of the shipped configs, bf16, against PyTorch's form in fp64
+    (checked against the row-by-row oracle above)."""
+    x, w, b, dy = _inputs((8, 4096, C), torch.bfloat16, torch.bfloat16, True, not rms, seed=7)
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b)]
+    ref = _run(_call(rms, "torch"), *leaves, dy)
+    got = _run(_call(rms, "triton"), x, w, b, dy)
+    for name, r, o in zip(["y", "dx", "dw", "db"], [ref[0], *ref[1]], [got[0], *got[1]]):
+        assert_close(name, r, o, RATIO[torch.bfloat16])

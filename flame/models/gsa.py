@@ -163,8 +163,8 @@ class GSABlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 state: LayerState | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cu_seqlens, state)
-        return x + self.mlp(self.mlp_norm(x))
+        x, h = self.mlp_norm(x, residual=self.attn(self.attn_norm(x), cu_seqlens, state))
+        return x + self.mlp(h)
 
     def state_flops_per_token(self) -> int:
         return self.attn.state_flops_per_token()

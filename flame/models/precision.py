@@ -33,8 +33,10 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(normalized_shape, eps=eps)
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm of x; with `residual`, the pre-norm block's residual add and the norm after it,
+        as (x + residual, its norm), in one pass each way."""
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual=residual, backend=self.backend)
 
 
 class GroupNorm(nn.GroupNorm):
@@ -52,5 +54,6 @@ class RMSNorm(nn.RMSNorm):
         super().__init__(normalized_shape, eps=eps)
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps, backend=self.backend)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm of x, or (x + residual, its norm): as LayerNorm's."""
+        return ops.rms_norm(x, self.weight, self.eps, residual=residual, backend=self.backend)

@@ -241,8 +241,8 @@ class RWKV6Block(RWKVBlock):
                 state: LayerState | None = None) -> torch.Tensor:
         if self.is_first:
             x = self.pre_norm(x)
-        x = x + self.attn(self.attn_norm(x), cu_seqlens, state)
-        return x + self.ffn(self.ffn_norm(x), cu_seqlens, state)
+        x, h = self.ffn_norm(x, residual=self.attn(self.attn_norm(x), cu_seqlens, state))
+        return x + self.ffn(h, cu_seqlens, state)
 
 
 class RWKV6ForCausalLM(RWKVCausalLM):

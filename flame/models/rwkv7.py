@@ -255,9 +255,8 @@ class RWKV7Block(RWKVBlock):
         if self.is_first:
             x = self.pre_norm(x)
         attn_out, v_first = self.attn(self.attn_norm(x), v_first, cu_seqlens, state)
-        x = x + attn_out
-        x = x + self.ffn(self.ffn_norm(x), cu_seqlens, state)
-        return x, v_first
+        x, h = self.ffn_norm(x, residual=attn_out)
+        return x + self.ffn(h, cu_seqlens, state), v_first
 
 
 class RWKV7ForCausalLM(RWKVCausalLM):

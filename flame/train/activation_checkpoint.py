@@ -37,6 +37,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         )
 
 
+_NORMS = ("flame::norm_fwd", "flame::add_norm_fwd")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.linear.default}
 
@@ -57,7 +58,7 @@ def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
 
     if func.name() == "flame::token_shift_mix_fwd" and not _lerps_worth_saving(*args[:3]):
         return CheckpointPolicy.PREFER_RECOMPUTE
-    if func.name() == "flame::norm_fwd":  # one read and one write, as any elementwise op
+    if func.name() in _NORMS:  # elementwise: one or two reads, one or two writes
         return CheckpointPolicy.PREFER_RECOMPUTE
     if func in _MATMULS or func.namespace == "flame":
         return CheckpointPolicy.MUST_SAVE

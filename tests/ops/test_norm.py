@@ -79,6 +79,56 @@ def test_matches_fp64_oracle(rms, affine, bias, dtype):
     _assert_matches_oracle(rms, *_inputs((2, 70, 100), dtype, dtype, affine, bias), RATIO[dtype])
 
 
+@pytest.mark.parametrize("rms, affine, bias", [NORMS[0], NORMS[2]], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_matches_fp64_oracle(rms, affine, bias, dtype):
+    """With `residual`: (s, norm(s)), s = x + residual rounded to x's dtype; x and residual both
+    take s's gradient, from s's own use (the residual stream) and through the norm."""
+    x, w, b, dy = _inputs((2, 70, 100), dtype, dtype, affine, bias, seed=8)
+    res, _, _, ds = _inputs((2, 70, 100), dtype, dtype, False, False, seed=9)
+
+    def loss(s, y):
+        return (s.double() * ds.double()).sum() + (y.double() * dy.double()).sum()
+
+    leaves = [t for t in (x, res, w, b) if t is not None]
+    s_ref = (x.double() + res.double()).to(dtype).double()  # the oracle's sum rounds as the op's does
+    y_ref = oracle(s_ref, w, b, EPS, rms)
+    ref_grads = torch.autograd.grad(loss(s_ref, y_ref), leaves)
+    call = (lambda: ops.rms_norm(x, w, EPS, residual=res, backend="triton")) if rms else \
+        (lambda: ops.layer_norm(x, w, b, EPS, residual=res, backend="triton"))
+    s, y = call()
+    grads = torch.autograd.grad(loss(s, y), leaves)
+    assert s.dtype == y.dtype == dtype
+    assert_close("s", s_ref, s, RATIO[dtype])
+    assert_close("y", y_ref, y, RATIO[dtype])
+    for name, r, g in zip(["dx", "dresidual", "dw", "db"], ref_grads, grads):
+        assert_close(name, r, g, RATIO[dtype])
+
+
+def test_residual_add_torch_backend_matches_triton():
+    x, w, b, dy = _inputs((2, 9, 24), torch.float32, torch.float32, True, True, seed=10)
+    res, _, _, ds = _inputs((2, 9, 24), torch.float32, torch.float32, False, False, seed=11)
+    outs = []
+    for backend in ("torch", "triton"):
+        s, y = ops.layer_norm(x, w, b, EPS, residual=res, backend=backend)
+        grads = torch.autograd.grad((s * ds).sum() + (y * dy).sum(), [x, res, w, b])
+        outs.append([s, y, *grads])
+    for r, o in zip(*outs):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+
+
+def test_residual_of_another_dtype_promotes_as_the_add():
+    """x + residual in mixed dtypes promotes (an fp32 residual stream meeting a bf16 branch under
+    autocast); the fused op does the same."""
+    x, w, b, _ = _inputs((2, 9, 24), torch.float32, torch.float32, True, True, seed=12)
+    res = _inputs((2, 9, 24), torch.bfloat16, torch.bfloat16, False, False, seed=13)[0]
+    s, y = ops.layer_norm(x, w, b, EPS, residual=res, backend="triton")
+    assert s.dtype == y.dtype == torch.float32
+    torch.testing.assert_close(s, x + res, rtol=0, atol=0)
+    dx, dres = torch.autograd.grad(y.sum() + s.sum(), [x, res])
+    assert dx.dtype == torch.float32 and dres.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_bf16_activations_with_fp32_parameters(rms):
     """Under autocast on one GPU the parameters stay fp32 and the activations are bf16: the output
@@ -120,11 +170,12 @@ def test_constant_rows_stay_finite():
     (dict(x=torch.zeros(3, 0)), "x must be"),
     (dict(eps=0.0), "eps must be"),
     (dict(weight=[1.0] * 8), "weight must be a torch.Tensor"),
+    (dict(residual=torch.zeros(3, 7)), "residual must match x"),
 ])
 def test_bad_inputs_are_named(bad, message):
-    args = dict(x=torch.zeros(3, 8), weight=torch.ones(8), bias=torch.zeros(8), eps=EPS) | bad
+    args = dict(x=torch.zeros(3, 8), weight=torch.ones(8), bias=torch.zeros(8), eps=EPS, residual=None) | bad
     with pytest.raises((ValueError, TypeError), match=message):
-        ops.layer_norm(args["x"], args["weight"], args["bias"], args["eps"])
+        ops.layer_norm(args["x"], args["weight"], args["bias"], args["eps"], residual=args["residual"])
 
 
 def test_inside_torch_compile_equals_eager():
@@ -141,11 +192,13 @@ def test_inside_torch_compile_equals_eager():
         torch.testing.assert_close(o, r, rtol=0, atol=0)
 
 
-def test_custom_op_passes_opcheck():
-    """The forward op's schema, fake (meta) implementation and compiled autograd."""
+def test_custom_ops_pass_opcheck():
+    """The forward ops' schemas, fake (meta) implementations and compiled autograd."""
     x, w, b, _ = _inputs((2, 5, 40), torch.float32, torch.float32, True, True, seed=6)
-    torch.library.opcheck(torch.ops.flame.norm_fwd.default, (x, w, b, EPS, False),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    res = _inputs((2, 5, 40), torch.float32, torch.float32, False, False, seed=7)[0]
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    torch.library.opcheck(torch.ops.flame.norm_fwd.default, (x, w, b, EPS, False), test_utils=utils)
+    torch.library.opcheck(torch.ops.flame.add_norm_fwd.default, (x, res, w, None, EPS, True), test_utils=utils)
 
 
 @pytest.mark.gpu

@@ -30,8 +30,8 @@ def norm_torch(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     return y.to(x.dtype)
 
 
-def _check_inputs(op: str, x, weight, bias, eps) -> None:
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+def _check_inputs(op: str, x, residual, weight, bias, eps) -> None:
+    for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t is not None and t.dtype not in FLOAT_DTYPES:
@@ -39,6 +39,9 @@ def _check_inputs(op: str, x, weight, bias, eps) -> None:
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"{op}: x must be [..., C] with C > 0, got shape {tuple(x.shape)}")
     C = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.device != x.device):
+        raise ValueError(f"{op}: residual must match x's shape {tuple(x.shape)} and device {x.device}, got shape "
+                         f"{tuple(residual.shape)} on {residual.device}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (C,):
             raise ValueError(f"{op}: {name} must be [C] = [{C}] (x's last dimension), got shape {tuple(t.shape)}")
@@ -48,24 +51,35 @@ def _check_inputs(op: str, x, weight, bias, eps) -> None:
         raise ValueError(f"{op}: eps must be a positive number, got {eps!r}")
 
 
-def _norm(op: str, x, weight, bias, eps, rms: bool, backend: str) -> torch.Tensor:
-    _check_inputs(op, x, weight, bias, eps)
+def _norm(op: str, x, residual, weight, bias, eps, rms: bool, backend: str):
+    _check_inputs(op, x, residual, weight, bias, eps)
+    if residual is not None and residual.dtype != x.dtype:  # as x + residual would: the promoted dtype
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
     with autocast_off(x.device):
         if resolve_backend(backend, x.device, op) == "triton":
             from .norm_triton import norm_triton
-            return norm_triton(x, weight, bias, eps, rms)
-        return norm_torch(x, weight, bias, eps, rms)
+            return norm_triton(x, residual, weight, bias, eps, rms)
+        if residual is None:
+            return norm_torch(x, weight, bias, eps, rms)
+        s = x + residual
+        return s, norm_torch(s, weight, bias, eps, rms)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *,
-               backend: str = "auto") -> torch.Tensor:
+               residual: torch.Tensor | None = None, backend: str = "auto"):
     """LayerNorm of x [..., C] over C: (x - mean) / sqrt(var + eps) * weight + bias, with the
     biased variance; weight and bias [C] or None. Returns x's shape and dtype.
+
+    With `residual` (x's shape): the pre-norm block's residual add and the norm after it, returned
+    as (s, layer_norm(s)) with s = x + residual (in the promoted dtype of the two, as the add's); the Triton form adds in the norm's pass
+    forward and adds s's gradient into the norm's dx backward.
     backend: "auto" (Triton for CUDA tensors, PyTorch for CPU), "triton" or "torch"."""
-    return _norm("layer_norm", x, weight, bias, eps, False, backend)
+    return _norm("layer_norm", x, residual, weight, bias, eps, False, backend)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, backend: str = "auto") -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
+             backend: str = "auto"):
     """RMSNorm of x [..., C] over C: x / sqrt(mean(x^2) + eps) * weight; weight [C] or None.
-    Returns x's shape and dtype. backend: as layer_norm's."""
-    return _norm("rms_norm", x, weight, None, eps, True, backend)
+    Returns x's shape and dtype; `residual` and `backend` as layer_norm's."""
+    return _norm("rms_norm", x, residual, weight, None, eps, True, backend)

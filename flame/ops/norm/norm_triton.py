@@ -1,5 +1,7 @@
 """LayerNorm and RMSNorm over the last dimension in Triton: one pass over x forward, one pass over
-x and dy backward that also sums the weight and bias gradients.
+x and dy backward that also sums the weight and bias gradients; optionally with the pre-norm
+block's residual add before the norm (s = x + residual, normed), forward in the same pass, and
+backward with s's gradient from the residual stream added into dx in the same pass.
 
 Per row of C channels, with x^ = (x - mean) rstd (RMSNorm: mean = 0), rstd = 1 / sqrt(var + eps)
 and var the mean of (x - mean)^2:
@@ -40,14 +42,19 @@ def _normalized(b_x, m_col, C, eps, RMS: tl.constexpr):
 
 
 @triton.jit
-def _norm_fwd_kernel(x, w, b, y, N_ROWS, C, eps, RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _norm_fwd_kernel(x, res, s, w, b, y, N_ROWS, C, eps, RMS: tl.constexpr, HAS_RES: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr,
+                     BC: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BC)
     m_col = cols < C
     mask = (rows < N_ROWS)[:, None] & m_col[None, :]
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    x_hat, _ = _normalized(tl.load(x + offs, mask=mask, other=0).to(ACC), m_col, C, eps, RMS)
+    b_x = tl.load(x + offs, mask=mask, other=0)
+    if HAS_RES:  # the sum rounds to x's dtype, as the unfused add would, before the norm reads it
+        b_x = (b_x.to(ACC) + tl.load(res + offs, mask=mask, other=0).to(ACC)).to(s.dtype.element_ty)
+        tl.store(s + offs, b_x, mask=mask)
+    x_hat, _ = _normalized(b_x.to(ACC), m_col, C, eps, RMS)
     out = x_hat
     if HAS_W:
         out = out * tl.load(w + cols, mask=m_col, other=0).to(ACC)[None, :]
@@ -57,9 +64,9 @@ def _norm_fwd_kernel(x, w, b, y, N_ROWS, C, eps, RMS: tl.constexpr, HAS_W: tl.co
 
 
 @triton.jit
-def _norm_bwd_kernel(x, w, dy, dx, dw_part, db_part, N_ROWS, C, eps, RMS: tl.constexpr, HAS_W: tl.constexpr,
-                     HAS_B: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                     ROWS: tl.constexpr):
+def _norm_bwd_kernel(x, w, dy, ds, dx, dw_part, db_part, N_ROWS, C, eps, RMS: tl.constexpr, HAS_DS: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr,
+                     BC: tl.constexpr, ROWS: tl.constexpr):
     i_p = tl.program_id(0)
     cols = tl.arange(0, BC)
     m_col = cols < C
@@ -77,7 +84,10 @@ def _norm_bwd_kernel(x, w, dy, dx, dw_part, db_part, N_ROWS, C, eps, RMS: tl.con
         grad = wdy - x_hat * (tl.sum(x_hat * wdy, axis=1) / C)[:, None]
         if not RMS:
             grad = grad - (tl.sum(wdy, axis=1) / C)[:, None]
-        tl.store(dx + offs, (grad * rstd[:, None]).to(dx.dtype.element_ty), mask=mask)
+        grad = grad * rstd[:, None]
+        if HAS_DS:
+            grad = grad + tl.load(ds + offs, mask=mask, other=0).to(ACC)
+        tl.store(dx + offs, grad.to(dx.dtype.element_ty), mask=mask)
         acc_w += b_dy * x_hat
         acc_b += b_dy
     if HAS_W:
@@ -96,25 +106,30 @@ def backward_programs(n_rows: int) -> int:
     return triton.cdiv(n_rows, ROWS_PER_PROGRAM)
 
 
-def norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                 rms: bool) -> torch.Tensor:
-    """y in x's dtype; x [..., C] contiguous."""
+def norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None, eps: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, s): the norm of s = x + residual (of x without a residual, and s None), both in x's
+    dtype; x and residual [..., C] contiguous."""
     C = x.shape[-1]
     n_rows = x.numel() // C
     y = torch.empty_like(x)
+    s = torch.empty_like(x) if residual is not None else None
     BR = tile_rows(C)
     _norm_fwd_kernel[(triton.cdiv(n_rows, BR),)](
-        x, weight if weight is not None else x, bias if bias is not None else x, y, n_rows, C, eps,
-        RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ACC=tl_accumulation_dtype(x.dtype),
-        BR=BR, BC=triton.next_power_of_2(C), num_warps=WARPS,
+        x, residual if residual is not None else x, s if s is not None else x,
+        weight if weight is not None else x, bias if bias is not None else x, y, n_rows, C, eps,
+        RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+        ACC=tl_accumulation_dtype(x.dtype), BR=BR, BC=triton.next_power_of_2(C), num_warps=WARPS,
     )
-    return y
+    return y, s
 
 
-def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor, eps: float, rms: bool,
-                  has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor, ds: torch.Tensor | None,
+                  eps: float, rms: bool, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx in x's dtype, dw's and db's per-program partial sums [programs, C] in the accumulation
-    dtype; an empty tensor for an absent weight or bias); x and dy [..., C] contiguous."""
+    dtype; an empty tensor for an absent weight or bias) of y = norm(x), plus `ds` in dx when given
+    (the gradient that reaches x, the sum x + residual of the forward, by the residual stream); x,
+    dy and ds [..., C] contiguous."""
     C = x.shape[-1]
     n_rows = x.numel() // C
     n_prog = backward_programs(n_rows)
@@ -124,9 +139,10 @@ def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor
     db_part = torch.empty(n_prog, C, dtype=acc, device=x.device) if has_bias else x.new_empty(0, dtype=acc)
     BR = tile_rows(C)
     _norm_bwd_kernel[(n_prog,)](
-        x, weight if weight is not None else x, dy, dx, dw_part, db_part, n_rows, C, eps,
-        RMS=rms, HAS_W=weight is not None, HAS_B=has_bias, ACC=tl_accumulation_dtype(x.dtype),
-        BR=BR, BC=triton.next_power_of_2(C), ROWS=ROWS_PER_PROGRAM, num_warps=WARPS,
+        x, weight if weight is not None else x, dy, ds if ds is not None else x, dx, dw_part, db_part, n_rows, C, eps,
+        RMS=rms, HAS_DS=ds is not None, HAS_W=weight is not None, HAS_B=has_bias,
+        ACC=tl_accumulation_dtype(x.dtype), BR=BR, BC=triton.next_power_of_2(C), ROWS=ROWS_PER_PROGRAM,
+        num_warps=WARPS,
     )
     return dx, dw_part, db_part
 
@@ -136,7 +152,7 @@ def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor
 @torch.library.custom_op("flame::norm_fwd", mutates_args=())
 def _norm_fwd_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                  rms: bool) -> torch.Tensor:
-    return norm_forward(x, weight, bias, eps, rms)
+    return norm_forward(x, None, weight, bias, eps, rms)[0]
 
 
 @_norm_fwd_op.register_fake
@@ -144,14 +160,27 @@ def _(x, weight, bias, eps, rms):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("flame::add_norm_fwd", mutates_args=())
+def _add_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, eps: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    y, s = norm_forward(x, residual, weight, bias, eps, rms)
+    return s, y
+
+
+@_add_norm_fwd_op.register_fake
+def _(x, residual, weight, bias, eps, rms):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
 @torch.library.custom_op("flame::norm_bwd", mutates_args=())
-def _norm_bwd_op(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor, eps: float, rms: bool,
-                 has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return norm_backward(x, weight, dy, eps, rms, has_bias)
+def _norm_bwd_op(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor, ds: torch.Tensor | None,
+                 eps: float, rms: bool, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return norm_backward(x, weight, dy, ds, eps, rms, has_bias)
 
 
 @_norm_bwd_op.register_fake
-def _(x, weight, dy, eps, rms, has_bias):
+def _(x, weight, dy, ds, eps, rms, has_bias):
     C = x.shape[-1]
     acc = accumulation_dtype(x.dtype)
     partial = (backward_programs(x.numel() // C), C)
@@ -160,27 +189,55 @@ def _(x, weight, dy, eps, rms, has_bias):
             x.new_empty(partial if has_bias else (0,), dtype=acc))
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps, rms = inputs
-    ctx.save_for_backward(x, weight)
+def _save(ctx, normed, weight, bias, eps, rms):
+    ctx.save_for_backward(normed, weight)
     ctx.eps, ctx.rms, ctx.has_bias = eps, rms, bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _backward_op(ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx, dw_part, db_part = torch.ops.flame.norm_bwd(x, weight, dy.contiguous(), ctx.eps, ctx.rms, ctx.has_bias)
+def _parameter_grads(ctx, weight, dw_part, db_part):
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-    return dx, dw, db, None, None
+    return dw, db
 
 
-_norm_fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
+def _norm_setup_context(ctx, inputs, output):
+    x, weight, bias, eps, rms = inputs
+    _save(ctx, x, weight, bias, eps, rms)
 
 
-def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                rms: bool) -> torch.Tensor:
-    """The norm through the Triton kernels; inputs validated by flame.ops.norm.norm."""
+def _norm_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw_part, db_part = torch.ops.flame.norm_bwd(x, weight, dy.contiguous(), None, ctx.eps, ctx.rms, ctx.has_bias)
+    return dx, *_parameter_grads(ctx, weight, dw_part, db_part), None, None
+
+
+def _add_norm_setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, rms = inputs
+    _save(ctx, output[0], weight, bias, eps, rms)
+
+
+def _add_norm_backward(ctx, ds, dy):
+    """x and residual take one gradient: that of their sum s, by the residual stream (ds) and
+    through the norm."""
+    s, weight = ctx.saved_tensors
+    ds = ds.contiguous() if ds is not None else None
+    if dy is None:
+        dy = torch.zeros_like(s)
+    dx, dw_part, db_part = torch.ops.flame.norm_bwd(s, weight, dy.contiguous(), ds, ctx.eps, ctx.rms, ctx.has_bias)
+    return dx, dx, *_parameter_grads(ctx, weight, dw_part, db_part), None, None
+
+
+_norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
+_add_norm_fwd_op.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)
+
+
+def norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float, rms: bool):
+    """The norm through the Triton kernels, y = norm(x), or (x + residual, norm(x + residual));
+    inputs validated by flame.ops.norm.norm."""
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
-    return torch.ops.flame.norm_fwd(x.contiguous(), weight, bias, float(eps), rms)
+    if residual is None:
+        return torch.ops.flame.norm_fwd(x.contiguous(), weight, bias, float(eps), rms)
+    return torch.ops.flame.add_norm_fwd(x.contiguous(), residual.contiguous(), weight, bias, float(eps), rms)

@@ -163,7 +163,8 @@ class GSABlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 state: LayerState | None = None) -> torch.Tensor:
-        x, h = self.mlp_norm(x, residual=self.attn(self.attn_norm(x), cu_seqlens, state))
+        x, h = self.attn_norm(x, stream=True)
+        x, h = self.mlp_norm(x, residual=self.attn(h, cu_seqlens, state))
         return x + self.mlp(h)
 
     def state_flops_per_token(self) -> int:

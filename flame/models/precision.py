@@ -33,10 +33,12 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(normalized_shape, eps=eps)
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """The norm of x; with `residual`, the pre-norm block's residual add and the norm after it,
-        as (x + residual, its norm), in one pass each way."""
-        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual=residual, backend=self.backend)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, stream: bool = False):
+        """The norm of x; in a pre-norm block (`stream`, or a `residual` to add first), (s, norm(s))
+        with s = x (+ residual) the residual stream: one pass each way for the add, the norm and,
+        backward, the sum of s's two gradients (flame.ops.layer_norm)."""
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual=residual, stream=stream,
+                              backend=self.backend)
 
 
 class GroupNorm(nn.GroupNorm):
@@ -54,6 +56,6 @@ class RMSNorm(nn.RMSNorm):
         super().__init__(normalized_shape, eps=eps)
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """The norm of x, or (x + residual, its norm): as LayerNorm's."""
-        return ops.rms_norm(x, self.weight, self.eps, residual=residual, backend=self.backend)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, stream: bool = False):
+        """The norm of x, or (s, norm(s)): as LayerNorm's."""
+        return ops.rms_norm(x, self.weight, self.eps, residual=residual, stream=stream, backend=self.backend)

@@ -241,7 +241,8 @@ class RWKV6Block(RWKVBlock):
                 state: LayerState | None = None) -> torch.Tensor:
         if self.is_first:
             x = self.pre_norm(x)
-        x, h = self.ffn_norm(x, residual=self.attn(self.attn_norm(x), cu_seqlens, state))
+        x, h = self.attn_norm(x, stream=True)
+        x, h = self.ffn_norm(x, residual=self.attn(h, cu_seqlens, state))
         return x + self.ffn(h, cu_seqlens, state)
 
 

@@ -254,7 +254,8 @@ class RWKV7Block(RWKVBlock):
                 state: LayerState | None = None):
         if self.is_first:
             x = self.pre_norm(x)
-        attn_out, v_first = self.attn(self.attn_norm(x), v_first, cu_seqlens, state)
+        x, h = self.attn_norm(x, stream=True)
+        attn_out, v_first = self.attn(h, v_first, cu_seqlens, state)
         x, h = self.ffn_norm(x, residual=attn_out)
         return x + self.ffn(h, cu_seqlens, state), v_first
 

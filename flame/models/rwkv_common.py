@@ -35,8 +35,9 @@ def matrix_param(rows: int, cols: int) -> nn.Parameter:
 class RWKVBlock(nn.Module):
     """Pre-LN block: x += attn(attn_norm x); x += ffn(ffn_norm x); layer 0 first applies
     `pre_norm` (the official ln0). The family passes its time mix `attn` and channel mix `ffn`
-    and writes `forward` (RWKV7 threads v_first through its blocks), where `ffn_norm` takes the
-    first residual add with it (`LayerNorm`'s `residual`: one pass each way for both).
+    and writes `forward` (RWKV7 threads v_first through its blocks), where each norm also
+    returns the residual stream (`LayerNorm`'s `stream` and `residual`): `ffn_norm` takes the
+    first residual add with it, and both sum the stream's gradients in their backward pass.
 
     `forward` branches on the bool `is_first`, never on `layer_id`: torch.compile treats an int
     attribute of a module as a constant, so a branch on it compiles a graph per layer and, past

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flame import ops
-from flame.ops.norm.norm_triton import ROWS_PER_PROGRAM, tile_rows
+from flame.ops.norm.norm_triton import program_rows, tile_rows
 from tests.ops.assertions import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,7 +75,7 @@ NORM_IDS = ["layer_norm", "layer_norm_plain", "rms_norm", "rms_norm_plain"]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_fp64_oracle(rms, affine, bias, dtype):
     # 2 x 70 rows: three backward programs, the last partial, and a partial last forward tile
-    assert 140 % ROWS_PER_PROGRAM and 140 > 2 * ROWS_PER_PROGRAM and 140 % tile_rows(100)
+    assert 140 % program_rows(100) and 140 > 2 * program_rows(100) and 140 % tile_rows(100)
     _assert_matches_oracle(rms, *_inputs((2, 70, 100), dtype, dtype, affine, bias), RATIO[dtype])
 
 
@@ -103,6 +103,25 @@ def test_residual_add_matches_fp64_oracle(rms, affine, bias, dtype):
     assert_close("y", y_ref, y, RATIO[dtype])
     for name, r, g in zip(["dx", "dresidual", "dw", "db"], ref_grads, grads):
         assert_close(name, r, g, RATIO[dtype])
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_stream_form_sums_both_gradients_of_x(rms):
+    """`stream=True`: (x, norm(x)); x's gradient is that of its use as the stream plus that through
+    the norm, summed in the norm's backward pass."""
+    x, w, b, dy = _inputs((2, 70, 100), torch.float32, torch.float32, True, not rms, seed=14)
+    ds = _inputs((2, 70, 100), torch.float32, torch.float32, False, False, seed=15)[3]
+    leaves = [t for t in (x, w, b) if t is not None]
+
+    def loss(s, y):
+        return (s.double() * ds.double()).sum() + (y.double() * dy.double()).sum()
+
+    ref = torch.autograd.grad(loss(x, oracle(x, w, b, EPS, rms)), leaves)
+    s, y = (ops.rms_norm(x, w, EPS, stream=True, backend="triton") if rms
+            else ops.layer_norm(x, w, b, EPS, stream=True, backend="triton"))
+    assert torch.equal(s, x)
+    for name, r, g in zip(["dx", "dw", "db"], ref, torch.autograd.grad(loss(s, y), leaves)):
+        assert_close(name, r, g, RATIO[torch.float32])
 
 
 def test_residual_add_torch_backend_matches_triton():
@@ -183,8 +202,10 @@ def test_inside_torch_compile_equals_eager():
     torch._dynamo.reset()
     x, w, b, dy = _inputs((2, 24, 40), torch.float32, torch.float32, True, True, seed=5)
 
-    def run(x, w, b):
-        return ops.layer_norm(x * 1.0, w, b, EPS, backend="triton") * 2
+    def run(x, w, b):  # a pre-norm block's shape: both stream forms and a plain norm
+        s, h = ops.layer_norm(x * 1.0, w, b, EPS, stream=True, backend="triton")
+        s, h = ops.layer_norm(s, w, b, EPS, residual=torch.tanh(h), backend="triton")
+        return ops.layer_norm(s + h * 2, w, b, EPS, backend="triton")
 
     eager = _run(run, x, w, b, dy)
     compiled = _run(torch.compile(run, backend="aot_eager", fullgraph=True), x, w, b, dy)
@@ -193,12 +214,14 @@ def test_inside_torch_compile_equals_eager():
 
 
 def test_custom_ops_pass_opcheck():
-    """The forward ops' schemas, fake (meta) implementations and compiled autograd."""
-    x, w, b, _ = _inputs((2, 5, 40), torch.float32, torch.float32, True, True, seed=6)
-    res = _inputs((2, 5, 40), torch.float32, torch.float32, False, False, seed=7)[0]
-    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    """The kernels' custom ops: schemas and fake (meta) implementations (the autograd Function
+    around them is traced by Dynamo, see test_inside_torch_compile_equals_eager)."""
+    x, w, b, dy = (t.detach() for t in _inputs((2, 5, 40), torch.float32, torch.float32, True, True, seed=6))
+    res = _inputs((2, 5, 40), torch.float32, torch.float32, False, False, seed=7)[0].detach()
+    utils = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.flame.norm_fwd.default, (x, w, b, EPS, False), test_utils=utils)
     torch.library.opcheck(torch.ops.flame.add_norm_fwd.default, (x, res, w, None, EPS, True), test_utils=utils)
+    torch.library.opcheck(torch.ops.flame.norm_bwd.default, (x, w, dy, res, EPS, False, True), test_utils=utils)
 
 
 @pytest.mark.gpu

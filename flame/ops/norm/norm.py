@@ -51,7 +51,7 @@ def _check_inputs(op: str, x, residual, weight, bias, eps) -> None:
         raise ValueError(f"{op}: eps must be a positive number, got {eps!r}")
 
 
-def _norm(op: str, x, residual, weight, bias, eps, rms: bool, backend: str):
+def _norm(op: str, x, residual, weight, bias, eps, rms: bool, stream: bool, backend: str):
     _check_inputs(op, x, residual, weight, bias, eps)
     if residual is not None and residual.dtype != x.dtype:  # as x + residual would: the promoted dtype
         dtype = torch.promote_types(x.dtype, residual.dtype)
@@ -59,27 +59,28 @@ def _norm(op: str, x, residual, weight, bias, eps, rms: bool, backend: str):
     with autocast_off(x.device):
         if resolve_backend(backend, x.device, op) == "triton":
             from .norm_triton import norm_triton
-            return norm_triton(x, residual, weight, bias, eps, rms)
-        if residual is None:
-            return norm_torch(x, weight, bias, eps, rms)
-        s = x + residual
-        return s, norm_torch(s, weight, bias, eps, rms)
+            s, y = norm_triton(x, residual, weight, bias, eps, rms)
+        else:
+            s = x + residual if residual is not None else x
+            y = norm_torch(s, weight, bias, eps, rms)
+    return (s, y) if stream or residual is not None else y
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *,
-               residual: torch.Tensor | None = None, backend: str = "auto"):
+               residual: torch.Tensor | None = None, stream: bool = False, backend: str = "auto"):
     """LayerNorm of x [..., C] over C: (x - mean) / sqrt(var + eps) * weight + bias, with the
     biased variance; weight and bias [C] or None. Returns x's shape and dtype.
 
-    With `residual` (x's shape): the pre-norm block's residual add and the norm after it, returned
-    as (s, layer_norm(s)) with s = x + residual (in the promoted dtype of the two, as the add's); the Triton form adds in the norm's pass
-    forward and adds s's gradient into the norm's dx backward.
+    The pre-norm block's form, `stream=True` or a `residual` (x's shape): returns (s, layer_norm(s))
+    with s = x + residual (in the promoted dtype of the two, as the add's) or s = x. The block
+    carries s on as its residual stream; the Triton form adds in the norm's pass forward, and
+    backward adds s's gradient from the stream into the norm's dx in the norm's pass.
     backend: "auto" (Triton for CUDA tensors, PyTorch for CPU), "triton" or "torch"."""
-    return _norm("layer_norm", x, residual, weight, bias, eps, False, backend)
+    return _norm("layer_norm", x, residual, weight, bias, eps, False, stream, backend)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
-             backend: str = "auto"):
+             stream: bool = False, backend: str = "auto"):
     """RMSNorm of x [..., C] over C: x / sqrt(mean(x^2) + eps) * weight; weight [C] or None.
-    Returns x's shape and dtype; `residual` and `backend` as layer_norm's."""
-    return _norm("rms_norm", x, residual, weight, None, eps, True, backend)
+    Returns x's shape and dtype; `residual`, `stream` and `backend` as layer_norm's."""
+    return _norm("rms_norm", x, residual, weight, None, eps, True, stream, backend)

@@ -1,7 +1,8 @@
 """LayerNorm and RMSNorm over the last dimension in Triton: one pass over x forward, one pass over
-x and dy backward that also sums the weight and bias gradients; optionally with the pre-norm
-block's residual add before the norm (s = x + residual, normed), forward in the same pass, and
-backward with s's gradient from the residual stream added into dx in the same pass.
+x and dy backward that also sums the weight and bias gradients. In a pre-norm block the normed
+tensor s is also the residual stream (s = x, or s = x + residual: the block's residual add, done
+in the forward's pass); s's gradient from the stream joins the backward's pass, which writes the
+sum of both gradients of s (`_StreamNorm`).
 
 Per row of C channels, with x^ = (x - mean) rstd (RMSNorm: mean = 0), rstd = 1 / sqrt(var + eps)
 and var the mean of (x - mean)^2:
@@ -26,8 +27,9 @@ from ..utils.dtypes import accumulation_dtype
 from ..utils.triton_dtypes import tl_accumulation_dtype
 
 TILE_ELEMENTS = 4096      # rows per tile: as many whole rows as fit this many elements (at least one)
-ROWS_PER_PROGRAM = 64     # backward rows per program, a multiple of every tile's rows
-WARPS = 8
+ROWS_PER_PROGRAM = 16     # backward rows per program (at least a tile's; both powers of two)
+FWD_WARPS = 8
+BWD_WARPS = 8
 
 
 @triton.jit
@@ -101,9 +103,14 @@ def tile_rows(C: int) -> int:
     return max(1, TILE_ELEMENTS // triton.next_power_of_2(C))
 
 
-def backward_programs(n_rows: int) -> int:
+def program_rows(C: int) -> int:
+    """Rows of one backward program: ROWS_PER_PROGRAM, or one tile where a tile has more."""
+    return max(ROWS_PER_PROGRAM, tile_rows(C))
+
+
+def backward_programs(n_rows: int, C: int) -> int:
     """Backward programs over `n_rows` rows: each sums its rows' dw and db into one partial row."""
-    return triton.cdiv(n_rows, ROWS_PER_PROGRAM)
+    return triton.cdiv(n_rows, program_rows(C))
 
 
 def norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
@@ -119,7 +126,7 @@ def norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x, residual if residual is not None else x, s if s is not None else x,
         weight if weight is not None else x, bias if bias is not None else x, y, n_rows, C, eps,
         RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        ACC=tl_accumulation_dtype(x.dtype), BR=BR, BC=triton.next_power_of_2(C), num_warps=WARPS,
+        ACC=tl_accumulation_dtype(x.dtype), BR=BR, BC=triton.next_power_of_2(C), num_warps=FWD_WARPS,
     )
     return y, s
 
@@ -132,7 +139,7 @@ def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor
     dy and ds [..., C] contiguous."""
     C = x.shape[-1]
     n_rows = x.numel() // C
-    n_prog = backward_programs(n_rows)
+    n_prog = backward_programs(n_rows, C)
     acc = accumulation_dtype(x.dtype)
     dx = torch.empty_like(x)
     dw_part = torch.empty(n_prog, C, dtype=acc, device=x.device) if weight is not None else x.new_empty(0, dtype=acc)
@@ -141,13 +148,14 @@ def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor
     _norm_bwd_kernel[(n_prog,)](
         x, weight if weight is not None else x, dy, ds if ds is not None else x, dx, dw_part, db_part, n_rows, C, eps,
         RMS=rms, HAS_DS=ds is not None, HAS_W=weight is not None, HAS_B=has_bias,
-        ACC=tl_accumulation_dtype(x.dtype), BR=BR, BC=triton.next_power_of_2(C), ROWS=ROWS_PER_PROGRAM,
-        num_warps=WARPS,
+        ACC=tl_accumulation_dtype(x.dtype), BR=BR, BC=triton.next_power_of_2(C), ROWS=program_rows(C),
+        num_warps=BWD_WARPS,
     )
     return dx, dw_part, db_part
 
 
-# custom ops: what torch.compile sees (one opaque node each way, so the block stays one graph)
+# custom ops: what torch.compile sees of the kernels (one opaque node each), and the autograd
+# Function around them, which Dynamo traces into the block's graph
 
 @torch.library.custom_op("flame::norm_fwd", mutates_args=())
 def _norm_fwd_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
@@ -183,61 +191,46 @@ def _norm_bwd_op(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor,
 def _(x, weight, dy, ds, eps, rms, has_bias):
     C = x.shape[-1]
     acc = accumulation_dtype(x.dtype)
-    partial = (backward_programs(x.numel() // C), C)
+    partial = (backward_programs(x.numel() // C, C), C)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty(partial if weight is not None else (0,), dtype=acc),
             x.new_empty(partial if has_bias else (0,), dtype=acc))
 
 
-def _save(ctx, normed, weight, bias, eps, rms):
-    ctx.save_for_backward(normed, weight)
-    ctx.eps, ctx.rms, ctx.has_bias = eps, rms, bias is not None
-    ctx.bias_dtype = bias.dtype if bias is not None else None
+class _StreamNorm(torch.autograd.Function):
+    """(s, norm(s)) with s = x + residual, or s = x itself (a view) without a residual. The
+    block takes s as its residual stream: s's gradient from there arrives here as `ds` and joins
+    the norm's backward pass, and x (and the residual) take the sum. So the backward adds the
+    stream's two gradients in the norm's pass, not in a kernel of its own."""
 
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms):
+        if residual is None:
+            s, y = x.view_as(x), torch.ops.flame.norm_fwd(x, weight, bias, eps, rms)
+        else:
+            s, y = torch.ops.flame.add_norm_fwd(x, residual, weight, bias, eps, rms)
+        ctx.save_for_backward(x if residual is None else s, weight)
+        ctx.eps, ctx.rms, ctx.has_residual = eps, rms, residual is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return s, y
 
-def _parameter_grads(ctx, weight, dw_part, db_part):
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
-    db = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-    return dw, db
-
-
-def _norm_setup_context(ctx, inputs, output):
-    x, weight, bias, eps, rms = inputs
-    _save(ctx, x, weight, bias, eps, rms)
-
-
-def _norm_backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx, dw_part, db_part = torch.ops.flame.norm_bwd(x, weight, dy.contiguous(), None, ctx.eps, ctx.rms, ctx.has_bias)
-    return dx, *_parameter_grads(ctx, weight, dw_part, db_part), None, None
-
-
-def _add_norm_setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, rms = inputs
-    _save(ctx, output[0], weight, bias, eps, rms)
-
-
-def _add_norm_backward(ctx, ds, dy):
-    """x and residual take one gradient: that of their sum s, by the residual stream (ds) and
-    through the norm."""
-    s, weight = ctx.saved_tensors
-    ds = ds.contiguous() if ds is not None else None
-    if dy is None:
-        dy = torch.zeros_like(s)
-    dx, dw_part, db_part = torch.ops.flame.norm_bwd(s, weight, dy.contiguous(), ds, ctx.eps, ctx.rms, ctx.has_bias)
-    return dx, dx, *_parameter_grads(ctx, weight, dw_part, db_part), None, None
-
-
-_norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
-_add_norm_fwd_op.register_autograd(_add_norm_backward, setup_context=_add_norm_setup_context)
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s, weight = ctx.saved_tensors
+        dy = dy.contiguous() if dy is not None else torch.zeros_like(s)
+        ds = ds.contiguous() if ds is not None else None
+        has_bias = ctx.bias_dtype is not None
+        dx, dw_part, db_part = torch.ops.flame.norm_bwd(s, weight, dy, ds, ctx.eps, ctx.rms, has_bias)
+        dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+        db = db_part.sum(0).to(ctx.bias_dtype) if has_bias else None
+        return dx, (dx if ctx.has_residual else None), dw, db, None, None
 
 
 def norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                bias: torch.Tensor | None, eps: float, rms: bool):
-    """The norm through the Triton kernels, y = norm(x), or (x + residual, norm(x + residual));
-    inputs validated by flame.ops.norm.norm."""
+                bias: torch.Tensor | None, eps: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s)), s = x + residual or x, through the Triton kernels (`_StreamNorm`); inputs
+    validated by flame.ops.norm.norm."""
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
-    if residual is None:
-        return torch.ops.flame.norm_fwd(x.contiguous(), weight, bias, float(eps), rms)
-    return torch.ops.flame.add_norm_fwd(x.contiguous(), residual.contiguous(), weight, bias, float(eps), rms)
+    return _StreamNorm.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
+                             weight, bias, float(eps), rms)

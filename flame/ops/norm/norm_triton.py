@@ -26,10 +26,12 @@ import triton.language as tl
 from ..utils.dtypes import accumulation_dtype
 from ..utils.triton_dtypes import tl_accumulation_dtype
 
-TILE_ELEMENTS = 4096      # rows per tile: as many whole rows as fit this many elements (at least one)
-ROWS_PER_PROGRAM = 16     # backward rows per program (at least a tile's; both powers of two)
-FWD_WARPS = 8
-BWD_WARPS = 8
+# Launch settings: the fastest of a sweep on an H100 at the 340M layers' size (bench/RESULTS.md,
+# kernels: "Norms"), rows by the backward's: a program of few rows keeps many programs in flight.
+TILE_ELEMENTS = 2048      # rows per tile: as many whole rows as fit this many elements (at least one)
+ROWS_PER_PROGRAM = 32     # backward rows per program (at least a tile's; both powers of two)
+FWD_WARPS = 4
+BWD_WARPS = 4
 
 
 @triton.jit

@@ -330,46 +330,6 @@ register(BenchOp(
 
 
 # ------------------------------------------------------------------------------------------------
-# The blocks' norms: flame's layer_norm and rms_norm (one Triton pass each way, the weight and bias
-# gradients in the backward's pass) against the PyTorch form compiled by Inductor, over the 32768
-# tokens of a step at the hidden sizes of the 340M, 1B and 2.9B configs
-
-def _norm_inputs(dtype, device, M, C):
-    gen = torch.Generator(device=device).manual_seed(0)
-    return {
-        "x": torch.randn(M, C, device=device, generator=gen).to(dtype).requires_grad_(True),
-        "weight": (1 + 0.1 * torch.randn(C, device=device, generator=gen)).to(dtype).requires_grad_(True),
-        "bias": (0.1 * torch.randn(C, device=device, generator=gen)).to(dtype).requires_grad_(True),
-    }
-
-
-def _flame_norm(rms: bool):
-    from flame.ops import layer_norm, rms_norm
-
-    if rms:
-        return lambda x: rms_norm(x["x"], x["weight"], 1e-5, backend="triton")
-    return lambda x: layer_norm(x["x"], x["weight"], x["bias"], 1e-5, backend="triton")
-
-
-def _inductor_norm(rms: bool):
-    def load():
-        from flame.ops.norm import norm_torch
-        composed = torch.compile(lambda x, w, b: norm_torch(x, w, b, 1e-5, rms))
-        return lambda x: composed(x["x"], x["weight"], None if rms else x["bias"])
-    return load
-
-
-for _rms in (False, True):
-    register(BenchOp(
-        name="rms_norm" if _rms else "layer_norm",
-        shapes=(dict(M=32768, C=1024), dict(M=32768, C=2048), dict(M=32768, C=2560)),
-        make_inputs=_norm_inputs,
-        flame=_flame_norm(_rms),
-        peers=(("inductor", _inductor_norm(_rms)),),
-    ))
-
-
-# ------------------------------------------------------------------------------------------------
 # launch-option variants
 
 def parse_launch(spec: str) -> tuple[str, dict]:

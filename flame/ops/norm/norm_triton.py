@@ -10,7 +10,7 @@ and var the mean of (x - mean)^2:
     dx = rstd (w dy - x^ mean(x^ w dy) - mean(w dy))     (RMSNorm: without the last term)
     dw = sum over rows of dy x^,  db = sum over rows of dy
 The backward recomputes mean and rstd from x, which it reads anyway, so the forward saves nothing
-but its input. A backward program walks ROWS_PER_PROGRAM rows in tiles of whole rows and keeps its
+but its input. A backward program walks `program_rows` rows in tiles of whole rows and keeps its
 dw and db sums in registers; the per-program partial sums are added up afterwards (in a fixed
 order: deterministic), by the caller, where torch.compile fuses that sum with what follows. Eager
 and compiled PyTorch instead read x and dy a second time in a reduction kernel of their own for dw.
@@ -26,10 +26,13 @@ import triton.language as tl
 from ..utils.dtypes import accumulation_dtype
 from ..utils.triton_dtypes import tl_accumulation_dtype
 
-# Launch settings: the fastest of a sweep on an H100 at the 340M layers' size (bench/RESULTS.md,
-# kernels: "Norms"), rows by the backward's: a program of few rows keeps many programs in flight.
+# Launch settings: the fastest of a sweep on an H100 at the 340M and 1B layer sizes (bench/RESULTS.md,
+# kernels: "Norms"). A backward program takes about PROGRAM_ELEMENTS elements (32 rows of 1024
+# channels, 16 of 2048): fewer rows a program leave too few programs in flight to hide the load
+# latency, more leave the partial sums to add up.
 TILE_ELEMENTS = 2048      # rows per tile: as many whole rows as fit this many elements (at least one)
-ROWS_PER_PROGRAM = 32     # backward rows per program (at least a tile's; both powers of two)
+PROGRAM_ELEMENTS = 32768  # backward: rows per program, as many as fit this many elements
+MAX_PROGRAM_ROWS = 64
 FWD_WARPS = 4
 BWD_WARPS = 4
 
@@ -106,8 +109,9 @@ def tile_rows(C: int) -> int:
 
 
 def program_rows(C: int) -> int:
-    """Rows of one backward program: ROWS_PER_PROGRAM, or one tile where a tile has more."""
-    return max(ROWS_PER_PROGRAM, tile_rows(C))
+    """Rows of one backward program: whole tiles of about PROGRAM_ELEMENTS elements, at most
+    MAX_PROGRAM_ROWS rows, at least one tile (powers of two, so a multiple of the tile's rows)."""
+    return max(tile_rows(C), min(MAX_PROGRAM_ROWS, PROGRAM_ELEMENTS // triton.next_power_of_2(C)))
 
 
 def backward_programs(n_rows: int, C: int) -> int:

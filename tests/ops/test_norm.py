@@ -224,15 +224,42 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.flame.norm_bwd.default, (x, w, dy, res, EPS, False, True), test_utils=utils)
 
 
+def _assert_form_matches_fp64_torch(shape, rms, form, seed):
+    """The Triton form in bf16 against PyTorch's form in fp64 (checked against the row-by-row oracle
+    above), in one of the three forms the models call: `plain` y, `stream` (x, y), `residual`
+    (x + residual, y); the loss takes s's gradient from the stream too."""
+    x, w, b, dy = _inputs(shape, torch.bfloat16, torch.bfloat16, True, not rms, seed=seed)
+    res, _, _, ds = _inputs(shape, torch.bfloat16, torch.bfloat16, False, False, seed=seed + 1)
+    if form != "residual":
+        res = None
+
+    def forward_backward(backend, x, res, w, b):
+        kw = dict(residual=res) if form == "residual" else dict(stream=form == "stream")
+        out = (ops.rms_norm(x, w, EPS, backend=backend, **kw) if rms
+               else ops.layer_norm(x, w, b, EPS, backend=backend, **kw))
+        s, y = (None, out) if form == "plain" else out
+        loss = (y.double() * dy.double()).sum()
+        if s is not None:
+            loss = loss + (s.double() * ds.double()).sum()
+        leaves = [t for t in (x, res, w, b) if t is not None]
+        return [y, *torch.autograd.grad(loss, leaves)]
+
+    ref = forward_backward("torch", *[t.detach().double().requires_grad_() if t is not None else None
+                                      for t in (x, res, w, b)])
+    got = forward_backward("triton", x, res, w, b)
+    for i, (r, o) in enumerate(zip(ref, got)):
+        assert_close("y" if i == 0 else f"gradient {i}", r, o, RATIO[torch.bfloat16])
+
+
+@pytest.mark.parametrize("form", ["plain", "stream", "residual"])
+def test_bf16_forms_match_fp64_torch(form):
+    _assert_form_matches_fp64_torch((2, 70, 100), False, form, seed=16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("C", [1024, 2048, 2560])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-def test_gpu_bf16_model_sizes(C, rms):
-    """32768 tokens at the hidden sizes of the shipped configs, bf16, against PyTorch's form in fp64
-    (checked against the row-by-row oracle above)."""
-    x, w, b, dy = _inputs((8, 4096, C), torch.bfloat16, torch.bfloat16, True, not rms, seed=7)
-    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b)]
-    ref = _run(_call(rms, "torch"), *leaves, dy)
-    got = _run(_call(rms, "triton"), x, w, b, dy)
-    for name, r, o in zip(["y", "dx", "dw", "db"], [ref[0], *ref[1]], [got[0], *got[1]]):
-        assert_close(name, r, o, RATIO[torch.bfloat16])
+@pytest.mark.parametrize("form", ["plain", "stream", "residual"])
+def test_gpu_bf16_model_sizes(C, rms, form):
+    """32768 tokens at the hidden sizes of the shipped configs."""
+    _assert_form_matches_fp64_torch((8, 4096, C), rms, form, seed=7)

@@ -1,13 +1,15 @@
-"""Launch settings of flame's chunk kernels and of the channel mix's product kernel, one at a time
-around the shipped ones, by GPU kernel time.
+"""Launch settings of flame's chunk kernels, of the channel mix's product kernel and of the norms,
+one at a time around the shipped ones, by GPU kernel time.
 
     python -m bench.launch_settings --ops chunk_rwkv6,chunk_gsa --out launch.json
     python -m bench.launch_settings --ops chunk_rwkv7_cached --only stages    # a subset of the variants
     python -m bench.launch_settings --ops squared_relu_mlp
+    python -m bench.launch_settings --ops layer_norm,rms_norm
 
 Each variant changes one launch setting (a sub-chunk, a warp count, a pipeline depth or a block width
 that the kernels' modules expose as constants or keyword arguments) and times the op's forward and
-backward at the 340M layer shape (squared_relu_mlp: one micro-batch of rwkv7_340M's channel mix), bf16: the GPU time of each kernel over `--iters` calls under
+backward at the 340M layer shape (squared_relu_mlp and the norms: one micro-batch of rwkv7_340M's
+channel mix and norms, gsa_340M's for rms_norm), bf16: the GPU time of each kernel over `--iters` calls under
 torch.profiler after two warm-up calls (bench.timing's `profile_forward_backward` and
 `kernel_times`). Kernel time, not wall time: a fwd+bwd of a few ms through autograd is partly
 host-bound, and a wall-clock timer measures the host's load as much as the kernels
@@ -26,7 +28,8 @@ from bench.timing import grad_leaves, kernel_times, profile_forward_backward, re
 SHAPES = {"chunk_rwkv6": dict(B=8, T=2048, H=16, K=64, V=64),
           "chunk_gsa": dict(B=8, T=2048, H=4, K=256, V=256, M=64),
           "chunk_rwkv7_cached": dict(B=8, T=2048, H=16, K=64, V=64),
-          "squared_relu_mlp": dict(M=16384, C=1024, F=4096)}
+          "squared_relu_mlp": dict(M=16384, C=1024, F=4096),
+          "layer_norm": dict(M=16384, C=1024), "rms_norm": dict(M=32768, C=1024)}
 
 
 def kernel_ms(fn: Callable[[dict], object], inputs: dict, iters: int) -> dict[str, float]:
@@ -91,6 +94,19 @@ def _mlp_variants() -> dict[str, tuple[object, str, object]]:
     return out
 
 
+def _norm_variants() -> dict[str, tuple[object, str, object]]:
+    """The norms' kernels (flame.ops.norm.norm_triton): the tile's elements (whole rows), the
+    backward program's elements (rows a program), and the warps of each."""
+    from flame.ops.norm import norm_triton
+
+    out: dict[str, tuple[object, str, object]] = {}
+    for name, values in (("TILE_ELEMENTS", (1024, 4096)), ("PROGRAM_ELEMENTS", (16384, 65536)),
+                         ("FWD_WARPS", (8,)), ("BWD_WARPS", (8,))):
+        for value in values:
+            out[f"{name} {value}"] = (norm_triton, name, value)
+    return out
+
+
 def variants(op: str) -> dict[str, tuple[object, str, object] | list[tuple[object, str, object]]]:
     """{label: (module, attribute, value), or a list of them set together}: one launch setting each (a
     sub-chunk or warp count as a keyword argument of the function the op calls, or a module constant
@@ -103,6 +119,8 @@ def variants(op: str) -> dict[str, tuple[object, str, object] | list[tuple[objec
         return _rwkv7_variants()
     if op == "squared_relu_mlp":
         return _mlp_variants()
+    if op in ("layer_norm", "rms_norm"):
+        return _norm_variants()
 
     family = {"chunk_rwkv6": rwkv6, "chunk_gsa": gsa}[op]
     out: dict[str, tuple[object, str, object]] = {}

@@ -330,6 +330,40 @@ register(BenchOp(
 
 
 # ------------------------------------------------------------------------------------------------
+# The blocks' norms in the form the models' blocks call them (flame.ops.layer_norm / rms_norm with
+# the residual add; s + y so that the backward takes the stream's gradient too), per micro-batch
+# of the shipped configs: layer_norm rwkv7_340M (8 x 2048 tokens, C 1024) and rwkv7_1B (4 x 2048,
+# C 2048), rms_norm gsa_340M (16 x 2048, C 1024) and gsa_1B (8 x 2048, C 2048)
+
+def _norm_inputs(dtype, device, M, C):
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {
+        "x": torch.randn(M, C, device=device, generator=gen).to(dtype).requires_grad_(True),
+        "residual": torch.randn(M, C, device=device, generator=gen).to(dtype).requires_grad_(True),
+        "weight": (1 + 0.1 * torch.randn(C, device=device, generator=gen)).to(dtype).requires_grad_(True),
+        "bias": (0.1 * torch.randn(C, device=device, generator=gen)).to(dtype).requires_grad_(True),
+    }
+
+
+def _flame_layer_norm(x):
+    from flame.ops import layer_norm
+    s, y = layer_norm(x["x"], x["weight"], x["bias"], 1e-5, residual=x["residual"], backend="triton")
+    return s + y
+
+
+def _flame_rms_norm(x):
+    from flame.ops import rms_norm
+    s, y = rms_norm(x["x"], x["weight"], 1e-5, residual=x["residual"], backend="triton")
+    return s + y
+
+
+register(BenchOp(name="layer_norm", shapes=(dict(M=16384, C=1024), dict(M=8192, C=2048)),
+                 make_inputs=_norm_inputs, flame=_flame_layer_norm))
+register(BenchOp(name="rms_norm", shapes=(dict(M=32768, C=1024), dict(M=16384, C=2048)),
+                 make_inputs=_norm_inputs, flame=_flame_rms_norm))
+
+
+# ------------------------------------------------------------------------------------------------
 # launch-option variants
 
 def parse_launch(spec: str) -> tuple[str, dict]:

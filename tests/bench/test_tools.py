@@ -132,6 +132,20 @@ def test_ops_channel_mix_entry_runs_flames_op_and_its_composition():
     torch.testing.assert_close(op.flame(inputs), composed(inputs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_ops_norm_entries_run_the_blocks_form(name):
+    """bench.ops' norm entries on a small shape on CPU (the Triton kernels under the interpreter):
+    s + norm(s) with s = x + residual, as PyTorch's form computes it."""
+    from bench import ops
+    from flame.ops.norm import norm_torch
+
+    inputs = ops.REGISTRY[name].make_inputs(torch.float32, "cpu", M=20, C=48)
+    s = inputs["x"] + inputs["residual"]
+    rms = name == "rms_norm"
+    expected = s + norm_torch(s, inputs["weight"], None if rms else inputs["bias"], 1e-5, rms)
+    torch.testing.assert_close(ops.REGISTRY[name].flame(inputs), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_ops_prints_a_line_per_library_with_flames_time_over_its():
     from bench import ops
 
@@ -171,7 +185,8 @@ def test_rwkvlm_train_refuses_to_profile_every_step(tmp_path):
         train(None, "unused.pth", tmp_path, 5, kernel="@rwkv3", jit=True, profile_steps=5)
 
 
-@pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached", "squared_relu_mlp"])
+@pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached", "squared_relu_mlp", "layer_norm",
+                                "rms_norm"])
 def test_launch_settings_vary_settings_the_kernels_read(op):
     """Every variant replaces a module attribute that exists and holds a value of the kind it
     sets (a constant of the same type, or the function the op calls), so that a renamed constant
@@ -180,9 +195,9 @@ def test_launch_settings_vary_settings_the_kernels_read(op):
     from bench.ops import REGISTRY
 
     assert op in REGISTRY and set(launch_settings.SHAPES) == {"chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached",
-                                                              "squared_relu_mlp"}
+                                                              "squared_relu_mlp", "layer_norm", "rms_norm"}
     found = launch_settings.variants(op)
-    assert len(found) >= (7 if op == "squared_relu_mlp" else 13)
+    assert len(found) >= {"squared_relu_mlp": 7, "layer_norm": 6, "rms_norm": 6}.get(op, 13)
     for label, settings in found.items():
         for module, name, value in (settings if isinstance(settings, list) else [settings]):
             shipped = getattr(module, name)

@@ -335,32 +335,35 @@ register(BenchOp(
 # of the shipped configs: layer_norm rwkv7_340M (8 x 2048 tokens, C 1024) and rwkv7_1B (4 x 2048,
 # C 2048), rms_norm gsa_340M (16 x 2048, C 1024) and gsa_1B (8 x 2048, C 2048)
 
-def _norm_inputs(dtype, device, M, C):
-    gen = torch.Generator(device=device).manual_seed(0)
-    return {
-        "x": torch.randn(M, C, device=device, generator=gen).to(dtype).requires_grad_(True),
-        "residual": torch.randn(M, C, device=device, generator=gen).to(dtype).requires_grad_(True),
-        "weight": (1 + 0.1 * torch.randn(C, device=device, generator=gen)).to(dtype).requires_grad_(True),
-        "bias": (0.1 * torch.randn(C, device=device, generator=gen)).to(dtype).requires_grad_(True),
-    }
+def _norm_inputs(bias: bool):
+    """The inputs of a norm's entry: x, residual, weight, and a bias for LayerNorm (its presence
+    picks layer_norm over rms_norm in `_flame_norm`)."""
+    def make(dtype, device, M, C):
+        gen = torch.Generator(device=device).manual_seed(0)
+        inputs = {
+            "x": torch.randn(M, C, device=device, generator=gen).to(dtype).requires_grad_(True),
+            "residual": torch.randn(M, C, device=device, generator=gen).to(dtype).requires_grad_(True),
+            "weight": (1 + 0.1 * torch.randn(C, device=device, generator=gen)).to(dtype).requires_grad_(True),
+        }
+        if bias:
+            inputs["bias"] = (0.1 * torch.randn(C, device=device, generator=gen)).to(dtype).requires_grad_(True)
+        return inputs
+    return make
 
 
-def _flame_layer_norm(x):
-    from flame.ops import layer_norm
-    s, y = layer_norm(x["x"], x["weight"], x["bias"], 1e-5, residual=x["residual"], backend="triton")
-    return s + y
-
-
-def _flame_rms_norm(x):
-    from flame.ops import rms_norm
-    s, y = rms_norm(x["x"], x["weight"], 1e-5, residual=x["residual"], backend="triton")
+def _flame_norm(x):
+    from flame.ops import layer_norm, rms_norm
+    if "bias" in x:
+        s, y = layer_norm(x["x"], x["weight"], x["bias"], 1e-5, residual=x["residual"], backend="triton")
+    else:
+        s, y = rms_norm(x["x"], x["weight"], 1e-5, residual=x["residual"], backend="triton")
     return s + y
 
 
 register(BenchOp(name="layer_norm", shapes=(dict(M=16384, C=1024), dict(M=8192, C=2048)),
-                 make_inputs=_norm_inputs, flame=_flame_layer_norm))
+                 make_inputs=_norm_inputs(bias=True), flame=_flame_norm))
 register(BenchOp(name="rms_norm", shapes=(dict(M=32768, C=1024), dict(M=16384, C=2048)),
-                 make_inputs=_norm_inputs, flame=_flame_rms_norm))
+                 make_inputs=_norm_inputs(bias=False), flame=_flame_norm))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from ..utils.backend import resolve_backend
 from ..utils.checks import FLOAT_DTYPES
-from ..utils.dtypes import autocast_off
+from ..utils.dtypes import accumulation_dtype, autocast_off
 
 
 def norm_torch(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                rms: bool) -> torch.Tensor:
     """The norm in PyTorch (autograd through F.layer_norm / F.rms_norm on fp32 copies)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x.dtype)
     xf = x.to(acc)
     wf = weight.to(acc) if weight is not None else None
     if rms:

@@ -120,9 +120,9 @@ def backward_programs(n_rows: int, C: int) -> int:
 
 
 def norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                 bias: torch.Tensor | None, eps: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y, s): the norm of s = x + residual (of x without a residual, and s None), both in x's
-    dtype; x and residual [..., C] contiguous."""
+                 bias: torch.Tensor | None, eps: float, rms: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(s, y): s = x + residual and y its norm, both in x's dtype; without a residual, (None, the
+    norm of x). x and residual [..., C] contiguous."""
     C = x.shape[-1]
     n_rows = x.numel() // C
     y = torch.empty_like(x)
@@ -134,7 +134,7 @@ def norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
         ACC=tl_accumulation_dtype(x.dtype), BR=BR, BC=triton.next_power_of_2(C), num_warps=FWD_WARPS,
     )
-    return y, s
+    return s, y
 
 
 def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor, ds: torch.Tensor | None,
@@ -166,7 +166,7 @@ def norm_backward(x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor
 @torch.library.custom_op("flame::norm_fwd", mutates_args=())
 def _norm_fwd_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                  rms: bool) -> torch.Tensor:
-    return norm_forward(x, None, weight, bias, eps, rms)[0]
+    return norm_forward(x, None, weight, bias, eps, rms)[1]
 
 
 @_norm_fwd_op.register_fake
@@ -177,8 +177,7 @@ def _(x, weight, bias, eps, rms):
 @torch.library.custom_op("flame::add_norm_fwd", mutates_args=())
 def _add_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                      bias: torch.Tensor | None, eps: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    y, s = norm_forward(x, residual, weight, bias, eps, rms)
-    return s, y
+    return norm_forward(x, residual, weight, bias, eps, rms)
 
 
 @_add_norm_fwd_op.register_fake

@@ -101,7 +101,7 @@ def test_every_gpu_tool_refuses_a_cpu(tool, monkeypatch):
 def test_ops_names_its_libraries_before_looking_for_a_gpu():
     from bench import ops
 
-    with pytest.raises(SystemExit, match="flame, fla, rwkvlm, rwkvlm_h100, inductor, not 'flame,nope'"):
+    with pytest.raises(SystemExit, match="flame, fla, rwkvlm, rwkvlm_h100, inductor, unfused, not 'flame,nope'"):
         ops.main(["--libs", "flame,nope"])
 
 
@@ -145,6 +145,21 @@ def test_ops_norm_entries_run_the_blocks_form(name):
     expected = s + norm_torch(s, inputs["weight"], inputs.get("bias"), 1e-5, rms)
     assert ("bias" in inputs) == (not rms)  # every input is a leaf the backward reaches
     torch.testing.assert_close(ops.REGISTRY[name].flame(inputs), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("N, residual", [(6, False), (2, True)])
+def test_ops_norm_lerps_entry_runs_flames_op_and_the_ops_it_fuses(N, residual):
+    """bench.ops' norm_token_shift_mix entry on a small shape on CPU (the Triton kernels under the
+    interpreter): flame's fused op and the `unfused` peer (layer_norm, then token_shift_mix) agree,
+    and every input is a leaf the backward reaches."""
+    from bench import ops
+
+    op = ops.REGISTRY["norm_token_shift_mix"]
+    inputs = op.make_inputs(torch.float32, "cpu", B=2, T=9, C=40, N=N, residual=residual)
+    unfused = dict(ops.load_callables(op, {"unfused"}, {}))["unfused"]
+    torch.testing.assert_close(op.flame(inputs), unfused(inputs), rtol=1e-5, atol=1e-5)
+    op.flame(inputs).sum().backward()
+    assert all(t.grad is not None for t in inputs.values() if t is not None)
 
 
 def test_ops_prints_a_line_per_library_with_flames_time_over_its():

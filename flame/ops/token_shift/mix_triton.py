@@ -26,10 +26,13 @@ kernels: "Token-shift lerps' backward"). A row walk holds [BC] vectors only: no 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from ..norm.norm_triton import _affine, _input_grad, _normalized, _normed_rows, _weight
 from ..utils.dtypes import accumulation_dtype
 from ..utils.triton_dtypes import tl_accumulation_dtype
 
@@ -41,6 +44,10 @@ BWD_LAUNCH_TWO = (256, 32, 2)       # two static lerps
 BWD_LAUNCH_MANY = (256, 64, 4)      # three or more static lerps
 BWD_LAUNCH_DYNAMIC = (1024, 16, 4)  # lerps with dynamic terms m
 BWD_LAUNCHES = (BWD_LAUNCH_ONE, BWD_LAUNCH_TWO, BWD_LAUNCH_MANY, BWD_LAUNCH_DYNAMIC)
+# with the norm, whole rows: the forward's tile has about NORM_FWD_ELEMENTS elements; a backward
+# program walks about NORM_BWD_ELEMENTS elements with a warp per NORM_BWD_CHANNELS_PER_WARP channels
+NORM_FWD_ELEMENTS, NORM_FWD_WARPS = 4096, 8
+NORM_BWD_ELEMENTS, NORM_BWD_CHANNELS_PER_WARP = 16384, 256
 
 
 @triton.jit
@@ -73,8 +80,9 @@ def _fwd_branch(o, b_x, delta, mu, m, stride_m, offs, mask, cols, m_col, C, I: t
 
 
 @triton.jit
-def _mix_fwd_kernel(x, starts, mu, m, o0, o1, o2, o3, o4, o5, T, C, N_ROWS, stride_m,
-                    N: tl.constexpr, N_M: tl.constexpr, HAS_STARTS: tl.constexpr, ACC: tl.constexpr,
+def _mix_fwd_kernel(x, res, s, nw, nb, starts, mu, m, o0, o1, o2, o3, o4, o5, T, C, N_ROWS, stride_m, eps,
+                    N: tl.constexpr, N_M: tl.constexpr, HAS_STARTS: tl.constexpr, NORM: tl.constexpr,
+                    HAS_RES: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr, ACC: tl.constexpr,
                     BR: tl.constexpr, BC: tl.constexpr):
     i_c, i_r = tl.program_id(0), tl.program_id(1)
     rows = i_r * BR + tl.arange(0, BR)
@@ -83,8 +91,15 @@ def _mix_fwd_kernel(x, starts, mu, m, o0, o1, o2, o3, o4, o5, T, C, N_ROWS, stri
     mask = (rows < N_ROWS)[:, None] & m_col[None, :]
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
     prev = _has_previous(rows, T, N_ROWS, starts, HAS_STARTS)
-    b_x = tl.load(x + offs, mask=mask, other=0).to(ACC)
-    b_p = tl.load(x + offs - C, mask=mask & prev[:, None], other=0).to(ACC)
+    if NORM:  # whole rows (BC >= C): the lerps' input is norm(x (+ res)), of each row and its predecessor
+        b_x = _normed_rows(x, res, s, nw, nb, offs, mask, cols, m_col, C, eps, False, HAS_RES, True, HAS_NW,
+                           HAS_NB, ACC)
+        b_p = _normed_rows(x, res, s, nw, nb, offs - C, mask & prev[:, None], cols, m_col, C, eps, False, HAS_RES,
+                           False, HAS_NW, HAS_NB, ACC)
+        b_p = tl.where(prev[:, None], b_p, 0.0)
+    else:
+        b_x = tl.load(x + offs, mask=mask, other=0).to(ACC)
+        b_p = tl.load(x + offs - C, mask=mask & prev[:, None], other=0).to(ACC)
     delta = b_p - b_x
     _fwd_branch(o0, b_x, delta, mu, m, stride_m, offs, mask, cols, m_col, C, 0, N, N_M, ACC)
     if N > 1:
@@ -120,9 +135,34 @@ def _row_term(d, mu, m, stride_m, offs, mask, cols, m_col, C, I: tl.constexpr, N
 
 
 @triton.jit
-def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, T, C, N_ROWS, stride_m,
-                    N: tl.constexpr, N_M: tl.constexpr, HAS_STARTS: tl.constexpr, ACC: tl.constexpr,
-                    BC: tl.constexpr, ROWS: tl.constexpr):
+def _lerp_input(x, nw, nb, offs, mask, cols, m_col, C, eps, NORM: tl.constexpr, HAS_NW: tl.constexpr,
+                HAS_NB: tl.constexpr, ACC: tl.constexpr):
+    """(y, x^, rstd) of one row: the lerps' input y (x, or norm(x) with its x^ and rstd; x itself
+    and placeholders without the norm)."""
+    b_x = tl.load(x + offs, mask=mask, other=0).to(ACC)
+    if NORM:
+        x_hat, rstd = _normalized(b_x, m_col, C, eps, False)
+        return _affine(x_hat, nw, nb, cols, m_col, HAS_NW, HAS_NB, ACC), x_hat, rstd
+    return b_x, b_x, tl.full([1], 1.0, ACC)
+
+
+@triton.jit
+def _input_row_grad(dy, x_hat, rstd, b_nw, ds, offs, mask, C, NORM: tl.constexpr, HAS_DS: tl.constexpr,
+                    ACC: tl.constexpr):
+    """The gradient of the op's input x of one row from that of the lerps' input y: dy itself, or
+    through the norm plus the stream's gradient ds."""
+    if NORM:
+        dy = _input_grad(x_hat, rstd, dy, b_nw, C, False)
+        if HAS_DS:
+            dy = dy + tl.load(ds + offs, mask=mask, other=0).to(ACC)
+    return dy
+
+
+@triton.jit
+def _mix_bwd_kernel(x, nw, nb, ds, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, dnw_part, dnb_part,
+                    T, C, N_ROWS, stride_m, eps, N: tl.constexpr, N_M: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    NORM: tl.constexpr, HAS_DS: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
+                    ACC: tl.constexpr, BC: tl.constexpr, ROWS: tl.constexpr):
     i_c, i_p = tl.program_id(0), tl.program_id(1)
     cols = i_c * BC + tl.arange(0, BC)
     m_col = cols < C
@@ -133,18 +173,24 @@ def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, 
     acc3 = tl.zeros([BC], dtype=ACC)
     acc4 = tl.zeros([BC], dtype=ACC)
     acc5 = tl.zeros([BC], dtype=ACC)
+    acc_nw = tl.zeros([BC], dtype=ACC)
+    acc_nb = tl.zeros([BC], dtype=ACC)
+    b_nw = _weight(nw, cols, m_col, HAS_NW, ACC)
     r_first = i_p * ROWS
-    # the row before the program's rows: its x, and (below) the sums of d - d c that its dx waits for
-    x_prev = tl.load(x + (r_first - 1).to(tl.int64) * C + cols,
-                     mask=m_col & _has_previous(r_first + zero, T, N_ROWS, starts, HAS_STARTS), other=0).to(ACC)
+    # the row before the program's rows: its lerp input y, and (below) the sums of d - d c that its
+    # gradient waits for
+    y_prev, xh_prev, rstd_prev = _lerp_input(
+        x, nw, nb, (r_first - 1).to(tl.int64) * C + cols,
+        m_col & _has_previous(r_first + zero, T, N_ROWS, starts, HAS_STARTS), cols, m_col, C, eps, NORM, HAS_NW,
+        HAS_NB, ACC)
     pending = tl.zeros([BC], dtype=ACC)
     for i in range(ROWS):
         r = r_first + i
         mask = m_col & (r + zero < N_ROWS)
         offs = r.to(tl.int64) * C + cols
-        b_x = tl.load(x + offs, mask=mask, other=0).to(ACC)
+        b_y, x_hat, rstd = _lerp_input(x, nw, nb, offs, mask, cols, m_col, C, eps, NORM, HAS_NW, HAS_NB, ACC)
         joined = _has_previous(r + zero, T, N_ROWS, starts, HAS_STARTS)  # row r continues row r - 1
-        delta = tl.where(joined, x_prev, 0.0) - b_x
+        delta = tl.where(joined, y_prev, 0.0) - b_y
         s, g, acc0 = _bwd_branch(d0, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc0, 0, N, N_M, ACC)
         if N > 1:
             s1, g1, acc1 = _bwd_branch(d1, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc1, 1, N, N_M, ACC)
@@ -161,11 +207,16 @@ def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, 
         if N > 5:
             s5, g5, acc5 = _bwd_branch(d5, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc5, 5, N, N_M, ACC)
             s, g = s + s5, g + g5
-        # dx of row r - 1, now that row r's sum of d c is known
-        tl.store(dx + offs - C, (pending + tl.where(joined, g, 0.0)).to(dx.dtype.element_ty),
-                 mask=m_col & (i > 0) & (r - 1 + zero < N_ROWS))
+        # row r - 1's gradient, now that row r's sum of d c is known (the program's own rows only)
+        own = m_col & (i > 0) & (r - 1 + zero < N_ROWS)
+        dy = pending + tl.where(joined, g, 0.0)
+        if NORM:
+            acc_nw += tl.where(own, dy * xh_prev, 0.0)
+            acc_nb += tl.where(own, dy, 0.0)
+        grad = _input_row_grad(dy, xh_prev, rstd_prev, b_nw, ds, offs - C, own, C, NORM, HAS_DS, ACC)
+        tl.store(dx + offs - C, grad.to(dx.dtype.element_ty), mask=own)
         pending = s - g
-        x_prev = b_x
+        y_prev, xh_prev, rstd_prev = b_y, x_hat, rstd
     # the program's last row takes the sum of d c of the row after its rows, loaded on its own
     r_end = r_first + ROWS
     offs = r_end.to(tl.int64) * C + cols
@@ -181,7 +232,13 @@ def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, 
         g += _row_term(d4, mu, m, stride_m, offs, mask, cols, m_col, C, 4, N, N_M, ACC)
     if N > 5:
         g += _row_term(d5, mu, m, stride_m, offs, mask, cols, m_col, C, 5, N, N_M, ACC)
-    tl.store(dx + offs - C, (pending + g).to(dx.dtype.element_ty), mask=m_col & (r_end - 1 + zero < N_ROWS))
+    own = m_col & (r_end - 1 + zero < N_ROWS)
+    dy = pending + g
+    if NORM:
+        acc_nw += tl.where(own, dy * xh_prev, 0.0)
+        acc_nb += tl.where(own, dy, 0.0)
+    grad = _input_row_grad(dy, xh_prev, rstd_prev, b_nw, ds, offs - C, own, C, NORM, HAS_DS, ACC)
+    tl.store(dx + offs - C, grad.to(dx.dtype.element_ty), mask=own)
     n_prog = tl.num_programs(1)
     p_mu = dmu_part + i_p * C + cols
     tl.store(p_mu, acc0, mask=m_col)
@@ -195,6 +252,10 @@ def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, 
         tl.store(p_mu + 4 * n_prog * C, acc4, mask=m_col)
     if N > 5:
         tl.store(p_mu + 5 * n_prog * C, acc5, mask=m_col)
+    if NORM and HAS_NW:
+        tl.store(dnw_part + i_p * C + cols, acc_nw, mask=m_col)
+    if NORM and HAS_NB:
+        tl.store(dnb_part + i_p * C + cols, acc_nb, mask=m_col)
 
 
 def _padded(tensors: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
@@ -202,63 +263,96 @@ def _padded(tensors: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Ten
     return list(tensors) + [filler] * (MAX_BRANCHES - len(tensors))
 
 
-def _starts_arg(x: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
-    return starts if starts is not None else x
+def _or(t: torch.Tensor | None, filler: torch.Tensor) -> torch.Tensor:
+    """`t`, or `filler` as the kernel argument of an absent tensor (never read)."""
+    return t if t is not None else filler
 
 
-def mix_forward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None
-                ) -> list[torch.Tensor]:
-    """The N outputs of token_shift_mix; x [B, T, C] and m [N_M, B, T, C] contiguous, mu [N, C]."""
+class LerpNorm(NamedTuple):
+    """The LayerNorm whose output the lerps read (`mix_forward`'s and `mix_backward`'s `norm`):
+    weight and bias [C] or None, and eps."""
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+
+
+def mix_forward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None,
+                norm: LerpNorm | None = None, residual: torch.Tensor | None = None
+                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """(the N outputs of token_shift_mix, s): the lerps of x, or with `norm` those of norm(s), s =
+    x + residual (returned, in x's dtype) or x (None returned). x, residual [B, T, C] and m [N_M,
+    B, T, C] contiguous, mu [N, C]."""
     B, T, C = x.shape
     N, N_M = mu.shape[0], (m.shape[0] if m is not None else 0)
     outs = [torch.empty_like(x) for _ in range(N)]
+    s = torch.empty_like(x) if residual is not None else None
     n_rows = B * T
-    grid = (triton.cdiv(C, BLOCK_CHANNELS), triton.cdiv(n_rows, BLOCK_ROWS))
+    if norm is None:
+        channels, rows, warps = BLOCK_CHANNELS, BLOCK_ROWS, WARPS
+    else:  # whole rows
+        channels = triton.next_power_of_2(C)
+        rows, warps = max(1, NORM_FWD_ELEMENTS // channels), NORM_FWD_WARPS
+    grid = (triton.cdiv(C, channels), triton.cdiv(n_rows, rows))
+    weight, bias, eps = norm if norm is not None else (None, None, 1.0)
     _mix_fwd_kernel[grid](
-        x, _starts_arg(x, starts), mu, m if m is not None else x, *_padded(outs, x), T, C, n_rows, n_rows * C,
-        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=tl_accumulation_dtype(x.dtype), BR=BLOCK_ROWS, BC=BLOCK_CHANNELS,
-        num_warps=WARPS,
+        x, _or(residual, x), _or(s, x), _or(weight, x), _or(bias, x), _or(starts, x), mu, _or(m, x),
+        *_padded(outs, x), T, C, n_rows, n_rows * C, eps,
+        N=N, N_M=N_M, HAS_STARTS=starts is not None, NORM=norm is not None, HAS_RES=residual is not None,
+        HAS_NW=weight is not None, HAS_NB=bias is not None, ACC=tl_accumulation_dtype(x.dtype), BR=rows,
+        BC=channels, num_warps=warps,
     )
-    return outs
+    return outs, s
 
 
-def bwd_launch(n_branches: int, n_dynamic: int) -> tuple[int, int, int]:
+def bwd_launch(n_branches: int, n_dynamic: int, norm_width: int | None = None) -> tuple[int, int, int]:
     """The backward's (channels, rows, warps) per program for `n_branches` lerps, `n_dynamic` of
-    them with dynamic terms."""
+    them with dynamic terms; with the norm (rows of `norm_width` channels), whole rows."""
+    if norm_width is not None:
+        channels = triton.next_power_of_2(norm_width)
+        return channels, max(1, NORM_BWD_ELEMENTS // channels), min(16, max(1, channels // NORM_BWD_CHANNELS_PER_WARP))
     if n_dynamic:
         return BWD_LAUNCH_DYNAMIC
     return BWD_LAUNCH_ONE if n_branches == 1 else BWD_LAUNCH_TWO if n_branches == 2 else BWD_LAUNCH_MANY
 
 
-def _bwd_programs(n_rows: int, n_branches: int, n_dynamic: int) -> int:
-    """Row programs of the backward: each sums its rows' dmu into one partial row."""
-    rows = bwd_launch(n_branches, n_dynamic)[1]
+def _bwd_programs(n_rows: int, n_branches: int, n_dynamic: int, norm_width: int | None = None) -> int:
+    """Row programs of the backward: each sums its rows' dmu (and the norm's dw, db) into one
+    partial row."""
+    rows = bwd_launch(n_branches, n_dynamic, norm_width)[1]
     return (n_rows + rows - 1) // rows
 
 
 def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None,
-                 grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dx in x's dtype, dmu's per-program partial sums fp32 (fp64 for fp64 x) [N, programs, C], dm
-    in m's dtype or None) for the N output gradients `grads` (contiguous, x's shape). dmu is the
-    partials' sum over dim 1, left to the caller: under torch.compile Inductor's reduction
-    kernel, which it can fuse with what follows, sums them faster than an eager sum."""
+                 grads: list[torch.Tensor], norm: LerpNorm | None = None, ds: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx in x's dtype, dmu's per-program partial sums [N, programs, C], dm in m's dtype or None,
+    the norm's dw and db partial sums [programs, C] or None) for the N output gradients `grads`
+    (contiguous, x's shape). With `norm`, x is the norm's input s and dx its gradient, `ds` (the
+    gradient s receives from elsewhere, the residual stream's) included. Partial sums are fp32
+    (fp64 for fp64 x); their sums are left to the caller: under torch.compile Inductor's
+    reduction kernel, which it can fuse with what follows, sums them faster than an eager sum."""
     B, T, C = x.shape
     N, N_M = mu.shape[0], (m.shape[0] if m is not None else 0)
     n_rows = B * T
-    channels, rows, warps = bwd_launch(N, N_M)
-    n_prog = _bwd_programs(n_rows, N, N_M)
+    norm_width = C if norm is not None else None
+    channels, rows, warps = bwd_launch(N, N_M, norm_width)
+    n_prog = _bwd_programs(n_rows, N, N_M, norm_width)
     acc = accumulation_dtype(x.dtype)
     dx = torch.empty_like(x)
     dm = torch.empty_like(m) if m is not None else None
     dmu_part = torch.empty(N, n_prog, C, dtype=acc, device=x.device)
+    weight, bias, eps = norm if norm is not None else (None, None, 1.0)
+    dnw_part = torch.empty(n_prog, C, dtype=acc, device=x.device) if weight is not None else None
+    dnb_part = torch.empty(n_prog, C, dtype=acc, device=x.device) if bias is not None else None
     grid = (triton.cdiv(C, channels), n_prog)
     _mix_bwd_kernel[grid](
-        x, _starts_arg(x, starts), mu, m if m is not None else x, *_padded(grads, x), dx,
-        dm if dm is not None else x, dmu_part, T, C, n_rows, n_rows * C,
-        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=tl_accumulation_dtype(x.dtype),
+        x, _or(weight, x), _or(bias, x), _or(ds, x), _or(starts, x), mu, _or(m, x), *_padded(grads, x), dx,
+        _or(dm, x), dmu_part, _or(dnw_part, dmu_part), _or(dnb_part, dmu_part), T, C, n_rows, n_rows * C, eps,
+        N=N, N_M=N_M, HAS_STARTS=starts is not None, NORM=norm is not None, HAS_DS=ds is not None,
+        HAS_NW=weight is not None, HAS_NB=bias is not None, ACC=tl_accumulation_dtype(x.dtype),
         BC=channels, ROWS=rows, num_warps=warps,
     )
-    return dx, dmu_part, dm
+    return dx, dmu_part, dm, dnw_part, dnb_part
 
 
 # custom ops: what torch.compile sees (one opaque node each way, so the block stays one graph)
@@ -266,10 +360,15 @@ def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, star
 _EMPTY = (0,)
 
 
+def _empty_or(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """`t`, or an empty tensor for an absent output of a custom op."""
+    return t if t is not None else like.new_empty(_EMPTY)
+
+
 @torch.library.custom_op("flame::token_shift_mix_fwd", mutates_args=())
 def _mix_fwd_op(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None
                 ) -> list[torch.Tensor]:
-    return mix_forward(x, mu, m, starts)
+    return mix_forward(x, mu, m, starts)[0]
 
 
 @_mix_fwd_op.register_fake
@@ -280,17 +379,21 @@ def _(x, mu, m, starts):
 @torch.library.custom_op("flame::token_shift_mix_bwd", mutates_args=())
 def _mix_bwd_op(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None,
                 grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dmu_part, dm = mix_backward(x, mu, m, starts, grads)
-    return dx, dmu_part, dm if dm is not None else x.new_empty(_EMPTY)
+    dx, dmu_part, dm, _, _ = mix_backward(x, mu, m, starts, grads)
+    return dx, dmu_part, _empty_or(dm, x)
+
+
+def _partials(x: torch.Tensor, n_branches: int, n_dynamic: int, norm_width: int | None = None) -> torch.Tensor:
+    """A fake [N, programs, C] partial-sum tensor of the backward's dmu."""
+    B, T, C = x.shape
+    return x.new_empty((n_branches, _bwd_programs(B * T, n_branches, n_dynamic, norm_width), C),
+                       dtype=accumulation_dtype(x.dtype))
 
 
 @_mix_bwd_op.register_fake
 def _(x, mu, m, starts, grads):
-    acc = accumulation_dtype(x.dtype)
-    B, T, C = x.shape
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            mu.new_empty((mu.shape[0], _bwd_programs(B * T, mu.shape[0], m.shape[0] if m is not None else 0), C),
-                         dtype=acc),
+            _partials(x, mu.shape[0], m.shape[0] if m is not None else 0),
             torch.empty_like(m, memory_format=torch.contiguous_format) if m is not None else x.new_empty(_EMPTY))
 
 
@@ -299,10 +402,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, mu, m, starts)
 
 
+def _dense(grads, like: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs' gradients, contiguous, zeros for an unused output."""
+    return [g.contiguous() if g is not None else torch.zeros_like(like) for g in grads]
+
+
 def _backward_op(ctx, grads):
     x, mu, m, starts = ctx.saved_tensors
-    grads = [g.contiguous() if g is not None else torch.zeros_like(x) for g in grads]
-    dx, dmu_part, dm = torch.ops.flame.token_shift_mix_bwd(x, mu, m, starts, grads)
+    dx, dmu_part, dm = torch.ops.flame.token_shift_mix_bwd(x, mu, m, starts, _dense(grads, x))
     return dx, dmu_part.sum(1).to(mu.dtype), (dm if m is not None else None), None
 
 
@@ -314,5 +421,76 @@ def token_shift_mix_triton(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | 
     """token_shift_mix through the Triton kernels; inputs validated by flame.ops.token_shift.mix."""
     x = x.contiguous()
     m = m.contiguous() if m is not None else None
-    starts = starts.to(torch.int8).contiguous() if starts is not None else None
-    return torch.ops.flame.token_shift_mix_fwd(x, mu.contiguous(), m, starts)
+    return torch.ops.flame.token_shift_mix_fwd(x, mu.contiguous(), m, _starts_int8(starts))
+
+
+def _starts_int8(starts: torch.Tensor | None) -> torch.Tensor | None:
+    return starts.to(torch.int8).contiguous() if starts is not None else None
+
+
+# the lerps of a LayerNorm's output, the norm computed in the lerps' passes
+
+@torch.library.custom_op("flame::norm_token_shift_mix_fwd", mutates_args=())
+def _norm_mix_fwd_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, eps: float, mu: torch.Tensor, starts: torch.Tensor | None
+                     ) -> list[torch.Tensor]:
+    outs, s = mix_forward(x, mu, None, starts, LerpNorm(weight, bias, eps), residual)
+    return outs + ([s] if s is not None else [])
+
+
+@_norm_mix_fwd_op.register_fake
+def _(x, residual, weight, bias, eps, mu, starts):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format)
+            for _ in range(mu.shape[0] + (residual is not None))]
+
+
+@torch.library.custom_op("flame::norm_token_shift_mix_bwd", mutates_args=())
+def _norm_mix_bwd_op(s: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                     mu: torch.Tensor, starts: torch.Tensor | None, grads: list[torch.Tensor],
+                     ds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dmu_part, _, dw_part, db_part = mix_backward(s, mu, None, starts, grads, LerpNorm(weight, bias, eps), ds)
+    return dx, dmu_part, _empty_or(dw_part, dmu_part), _empty_or(db_part, dmu_part)
+
+
+@_norm_mix_bwd_op.register_fake
+def _(s, weight, bias, eps, mu, starts, grads, ds):
+    dmu_part = _partials(s, mu.shape[0], 0, s.shape[-1])
+    return (torch.empty_like(s, memory_format=torch.contiguous_format), dmu_part,
+            dmu_part[0].clone() if weight is not None else dmu_part.new_empty(_EMPTY),
+            dmu_part[0].clone() if bias is not None else dmu_part.new_empty(_EMPTY))
+
+
+class _NormLerps(torch.autograd.Function):
+    """(s, *lerps of norm(s)) with s = x + residual, or s = x itself (a view) without a residual.
+    The block carries s on as its residual stream: s's gradient from there arrives as `ds` and
+    joins the backward's pass, as in flame.ops.norm's pre-norm forms. Saves s only: the backward
+    recomputes the norm's statistics and output from it."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, mu, starts):
+        outs = torch.ops.flame.norm_token_shift_mix_fwd(x, residual, weight, bias, eps, mu, starts)
+        s, lerps = (x.view_as(x), outs) if residual is None else (outs[-1], outs[:-1])
+        ctx.save_for_backward(x if residual is None else s, weight, bias, mu, starts)
+        ctx.eps, ctx.has_residual = eps, residual is not None
+        return (s, *lerps)
+
+    @staticmethod
+    def backward(ctx, ds, *grads):
+        s, weight, bias, mu, starts = ctx.saved_tensors
+        dx, dmu_part, dw_part, db_part = torch.ops.flame.norm_token_shift_mix_bwd(
+            s, weight, bias, ctx.eps, mu, starts, _dense(grads, s), ds.contiguous() if ds is not None else None)
+        dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+        db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+        return dx, (dx if ctx.has_residual else None), dw, db, None, dmu_part.sum(1).to(mu.dtype), None
+
+
+def norm_token_shift_mix_triton(x: torch.Tensor, mu: torch.Tensor, weight: torch.Tensor | None,
+                                bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+                                starts: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(s, lerps of layer_norm(s)) through the Triton kernels (`_NormLerps`); inputs validated by
+    flame.ops.token_shift.mix."""
+    out = _NormLerps.apply(x.contiguous(), residual.contiguous() if residual is not None else None,
+                           weight.contiguous() if weight is not None else None,
+                           bias.contiguous() if bias is not None else None, float(eps), mu.contiguous(),
+                           _starts_int8(starts))
+    return out[0], list(out[1:])

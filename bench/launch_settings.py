@@ -110,12 +110,13 @@ def _norm_variants() -> dict[str, tuple[object, str, object]]:
 
 def _norm_lerps_variants() -> dict[str, tuple[object, str, object]]:
     """The norm-with-lerps kernels (flame.ops.token_shift.mix_triton, whole rows): the forward
-    tile's elements and warps, the backward program's elements and channels per warp."""
+    tile's elements and warps, the backward tile's and program's elements and its warps."""
     from flame.ops.token_shift import mix_triton
 
     out: dict[str, tuple[object, str, object]] = {}
     for name, values in (("NORM_FWD_ELEMENTS", (2048, 8192)), ("NORM_FWD_WARPS", (4, 16)),
-                         ("NORM_BWD_ELEMENTS", (8192, 32768)), ("NORM_BWD_CHANNELS_PER_WARP", (128, 512))):
+                         ("NORM_BWD_TILE_ELEMENTS", (1024, 4096)), ("NORM_BWD_ELEMENTS", (16384, 131072)),
+                         ("NORM_BWD_WARPS", (4, 16))):
         for value in values:
             out[f"{name} {value}"] = (mix_triton, name, value)
     return out

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flame.ops.token_shift import norm_token_shift_mix
-from flame.ops.token_shift.mix_triton import bwd_launch, NORM_FWD_ELEMENTS
+from flame.ops.token_shift import mix_triton
 from tests.ops.assertions import assert_close
 from tests.ops.inputs import make_cu_seqlens
 from tests.ops.test_norm import oracle as norm_oracle
@@ -86,21 +86,34 @@ def _assert_matches_oracle(inp, ratio, starts=(), cu_seqlens=None, backend="trit
     _assert_matches(ref, _run(_op(backend, cu_seqlens), inp), ratio, inp)
 
 
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 8 rows at C = 100 (128 channels a row), backward programs of 32 rows."""
+    monkeypatch.setattr(mix_triton, "NORM_FWD_ELEMENTS", 8 * 128)
+    monkeypatch.setattr(mix_triton, "NORM_BWD_TILE_ELEMENTS", 8 * 128)
+    monkeypatch.setattr(mix_triton, "NORM_BWD_ELEMENTS", 32 * 128)
+    assert mix_triton.norm_bwd_launch(100)[:2] == (8, 32)
+
+
 @pytest.mark.parametrize("N", [6, 2, 1])
 @pytest.mark.parametrize("residual", [False, True], ids=["stream", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_fp64_oracle(N, residual, dtype):
-    C, rows = 100, 140
-    tile_rows = NORM_FWD_ELEMENTS // 128
-    program_rows = bwd_launch(N, 0, C)[1]
-    assert rows % tile_rows and rows % program_rows and 70 % program_rows and rows > program_rows
-    _assert_matches_oracle(_inputs(2, 70, C, N, dtype, residual=residual), RATIO[dtype])
+def test_matches_fp64_oracle(N, residual, dtype, small_tiles):
+    # 140 rows: partial last tiles and program, a batch boundary inside a program (rows 64-95)
+    _assert_matches_oracle(_inputs(2, 70, 100, N, dtype, residual=residual), RATIO[dtype])
 
 
-def test_packed_documents_shift_zeros_at_every_start():
-    lengths = [5, 1, 150, 10, 300 - 166]  # a one-token document; a document across the programs' rows
+def test_shipped_launch_settings_match_fp64_oracle():
+    """The shipped tiles and programs: 1200 rows of C = 100 span several backward programs."""
+    tile, program_rows, _ = mix_triton.norm_bwd_launch(100)
+    assert 1200 > 2 * program_rows and 1200 % program_rows and 600 % tile
+    assert 1200 % (mix_triton.NORM_FWD_ELEMENTS // 128)
+    _assert_matches_oracle(_inputs(2, 600, 100, 6, torch.float32, residual=True, seed=11), RATIO[torch.float32])
+
+
+def test_packed_documents_shift_zeros_at_every_start(small_tiles):
+    lengths = [5, 1, 150, 10, 300 - 166]  # a one-token document; documents across tiles and programs
     cu = make_cu_seqlens(lengths, device=DEVICE)
-    assert 150 > bwd_launch(6, 0, 72)[1]
     _assert_matches_oracle(_inputs(1, 300, 72, 6, torch.float32, residual=True, seed=1), RATIO[torch.float32],
                            starts=set(cu[:-1].tolist()), cu_seqlens=cu)
 

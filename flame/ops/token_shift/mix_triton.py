@@ -44,10 +44,11 @@ BWD_LAUNCH_TWO = (256, 32, 2)       # two static lerps
 BWD_LAUNCH_MANY = (256, 64, 4)      # three or more static lerps
 BWD_LAUNCH_DYNAMIC = (1024, 16, 4)  # lerps with dynamic terms m
 BWD_LAUNCHES = (BWD_LAUNCH_ONE, BWD_LAUNCH_TWO, BWD_LAUNCH_MANY, BWD_LAUNCH_DYNAMIC)
-# with the norm, whole rows: the forward's tile has about NORM_FWD_ELEMENTS elements; a backward
-# program walks about NORM_BWD_ELEMENTS elements with a warp per NORM_BWD_CHANNELS_PER_WARP channels
+# with the norm, whole rows: the forward's and the backward's tiles have about NORM_FWD_ELEMENTS and
+# NORM_BWD_TILE_ELEMENTS elements (at least one row); a backward program takes about
+# NORM_BWD_ELEMENTS elements, enough rows that the partial sums of dmu, dw and db stay small
 NORM_FWD_ELEMENTS, NORM_FWD_WARPS = 4096, 8
-NORM_BWD_ELEMENTS, NORM_BWD_CHANNELS_PER_WARP = 16384, 256
+NORM_BWD_TILE_ELEMENTS, NORM_BWD_ELEMENTS, NORM_BWD_WARPS = 2048, 65536, 8
 
 
 @triton.jit
@@ -135,34 +136,9 @@ def _row_term(d, mu, m, stride_m, offs, mask, cols, m_col, C, I: tl.constexpr, N
 
 
 @triton.jit
-def _lerp_input(x, nw, nb, offs, mask, cols, m_col, C, eps, NORM: tl.constexpr, HAS_NW: tl.constexpr,
-                HAS_NB: tl.constexpr, ACC: tl.constexpr):
-    """(y, x^, rstd) of one row: the lerps' input y (x, or norm(x) with its x^ and rstd; x itself
-    and placeholders without the norm)."""
-    b_x = tl.load(x + offs, mask=mask, other=0).to(ACC)
-    if NORM:
-        x_hat, rstd = _normalized(b_x, m_col, C, eps, False)
-        return _affine(x_hat, nw, nb, cols, m_col, HAS_NW, HAS_NB, ACC), x_hat, rstd
-    return b_x, b_x, tl.full([1], 1.0, ACC)
-
-
-@triton.jit
-def _input_row_grad(dy, x_hat, rstd, b_nw, ds, offs, mask, C, NORM: tl.constexpr, HAS_DS: tl.constexpr,
-                    ACC: tl.constexpr):
-    """The gradient of the op's input x of one row from that of the lerps' input y: dy itself, or
-    through the norm plus the stream's gradient ds."""
-    if NORM:
-        dy = _input_grad(x_hat, rstd, dy, b_nw, C, False)
-        if HAS_DS:
-            dy = dy + tl.load(ds + offs, mask=mask, other=0).to(ACC)
-    return dy
-
-
-@triton.jit
-def _mix_bwd_kernel(x, nw, nb, ds, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, dnw_part, dnb_part,
-                    T, C, N_ROWS, stride_m, eps, N: tl.constexpr, N_M: tl.constexpr, HAS_STARTS: tl.constexpr,
-                    NORM: tl.constexpr, HAS_DS: tl.constexpr, HAS_NW: tl.constexpr, HAS_NB: tl.constexpr,
-                    ACC: tl.constexpr, BC: tl.constexpr, ROWS: tl.constexpr):
+def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, T, C, N_ROWS, stride_m,
+                    N: tl.constexpr, N_M: tl.constexpr, HAS_STARTS: tl.constexpr, ACC: tl.constexpr,
+                    BC: tl.constexpr, ROWS: tl.constexpr):
     i_c, i_p = tl.program_id(0), tl.program_id(1)
     cols = i_c * BC + tl.arange(0, BC)
     m_col = cols < C
@@ -173,24 +149,18 @@ def _mix_bwd_kernel(x, nw, nb, ds, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm
     acc3 = tl.zeros([BC], dtype=ACC)
     acc4 = tl.zeros([BC], dtype=ACC)
     acc5 = tl.zeros([BC], dtype=ACC)
-    acc_nw = tl.zeros([BC], dtype=ACC)
-    acc_nb = tl.zeros([BC], dtype=ACC)
-    b_nw = _weight(nw, cols, m_col, HAS_NW, ACC)
     r_first = i_p * ROWS
-    # the row before the program's rows: its lerp input y, and (below) the sums of d - d c that its
-    # gradient waits for
-    y_prev, xh_prev, rstd_prev = _lerp_input(
-        x, nw, nb, (r_first - 1).to(tl.int64) * C + cols,
-        m_col & _has_previous(r_first + zero, T, N_ROWS, starts, HAS_STARTS), cols, m_col, C, eps, NORM, HAS_NW,
-        HAS_NB, ACC)
+    # the row before the program's rows: its x, and (below) the sums of d - d c that its dx waits for
+    x_prev = tl.load(x + (r_first - 1).to(tl.int64) * C + cols,
+                     mask=m_col & _has_previous(r_first + zero, T, N_ROWS, starts, HAS_STARTS), other=0).to(ACC)
     pending = tl.zeros([BC], dtype=ACC)
     for i in range(ROWS):
         r = r_first + i
         mask = m_col & (r + zero < N_ROWS)
         offs = r.to(tl.int64) * C + cols
-        b_y, x_hat, rstd = _lerp_input(x, nw, nb, offs, mask, cols, m_col, C, eps, NORM, HAS_NW, HAS_NB, ACC)
+        b_x = tl.load(x + offs, mask=mask, other=0).to(ACC)
         joined = _has_previous(r + zero, T, N_ROWS, starts, HAS_STARTS)  # row r continues row r - 1
-        delta = tl.where(joined, y_prev, 0.0) - b_y
+        delta = tl.where(joined, x_prev, 0.0) - b_x
         s, g, acc0 = _bwd_branch(d0, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc0, 0, N, N_M, ACC)
         if N > 1:
             s1, g1, acc1 = _bwd_branch(d1, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc1, 1, N, N_M, ACC)
@@ -207,16 +177,11 @@ def _mix_bwd_kernel(x, nw, nb, ds, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm
         if N > 5:
             s5, g5, acc5 = _bwd_branch(d5, mu, m, dm, stride_m, offs, mask, cols, m_col, C, delta, acc5, 5, N, N_M, ACC)
             s, g = s + s5, g + g5
-        # row r - 1's gradient, now that row r's sum of d c is known (the program's own rows only)
-        own = m_col & (i > 0) & (r - 1 + zero < N_ROWS)
-        dy = pending + tl.where(joined, g, 0.0)
-        if NORM:
-            acc_nw += tl.where(own, dy * xh_prev, 0.0)
-            acc_nb += tl.where(own, dy, 0.0)
-        grad = _input_row_grad(dy, xh_prev, rstd_prev, b_nw, ds, offs - C, own, C, NORM, HAS_DS, ACC)
-        tl.store(dx + offs - C, grad.to(dx.dtype.element_ty), mask=own)
+        # dx of row r - 1, now that row r's sum of d c is known
+        tl.store(dx + offs - C, (pending + tl.where(joined, g, 0.0)).to(dx.dtype.element_ty),
+                 mask=m_col & (i > 0) & (r - 1 + zero < N_ROWS))
         pending = s - g
-        y_prev, xh_prev, rstd_prev = b_y, x_hat, rstd
+        x_prev = b_x
     # the program's last row takes the sum of d c of the row after its rows, loaded on its own
     r_end = r_first + ROWS
     offs = r_end.to(tl.int64) * C + cols
@@ -232,13 +197,7 @@ def _mix_bwd_kernel(x, nw, nb, ds, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm
         g += _row_term(d4, mu, m, stride_m, offs, mask, cols, m_col, C, 4, N, N_M, ACC)
     if N > 5:
         g += _row_term(d5, mu, m, stride_m, offs, mask, cols, m_col, C, 5, N, N_M, ACC)
-    own = m_col & (r_end - 1 + zero < N_ROWS)
-    dy = pending + g
-    if NORM:
-        acc_nw += tl.where(own, dy * xh_prev, 0.0)
-        acc_nb += tl.where(own, dy, 0.0)
-    grad = _input_row_grad(dy, xh_prev, rstd_prev, b_nw, ds, offs - C, own, C, NORM, HAS_DS, ACC)
-    tl.store(dx + offs - C, grad.to(dx.dtype.element_ty), mask=own)
+    tl.store(dx + offs - C, (pending + g).to(dx.dtype.element_ty), mask=m_col & (r_end - 1 + zero < N_ROWS))
     n_prog = tl.num_programs(1)
     p_mu = dmu_part + i_p * C + cols
     tl.store(p_mu, acc0, mask=m_col)
@@ -252,10 +211,85 @@ def _mix_bwd_kernel(x, nw, nb, ds, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm
         tl.store(p_mu + 4 * n_prog * C, acc4, mask=m_col)
     if N > 5:
         tl.store(p_mu + 5 * n_prog * C, acc5, mask=m_col)
-    if NORM and HAS_NW:
+
+
+@triton.jit
+def _norm_mix_bwd_kernel(x, nw, nb, ds, starts, mu, d0, d1, d2, d3, d4, d5, dx, dmu_part, dnw_part, dnb_part,
+                         T, C, N_ROWS, eps, N: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_DS: tl.constexpr,
+                         HAS_NW: tl.constexpr, HAS_NB: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr,
+                         BC: tl.constexpr, ROWS: tl.constexpr):
+    """The backward of norm_token_shift_mix's static lerps, in [BR, BC] tiles of whole rows: with
+    y = norm(x) and c_i = mu_i per channel, the gradient of y is
+        dy[t] = sum_i d_i[t] (1 - c_i) + sum_i d_i[t+1] c_i   (the second sum where t+1 continues t)
+    from the tile's d_i and the tile one row below; the norm's backward takes dy, and the stream's
+    gradient ds joins dx. dmu_i = sum_t d_i[t] delta[t] with delta = y[t-1] - y[t] (y of the row
+    above recomputed from x), and the norm's dw, db sum over the program's rows."""
+    i_p = tl.program_id(0)
+    cols = tl.arange(0, BC)
+    m_col = cols < C
+    b_nw = _weight(nw, cols, m_col, HAS_NW, ACC)
+    acc0 = tl.zeros([BC], dtype=ACC)
+    acc1 = tl.zeros([BC], dtype=ACC)
+    acc2 = tl.zeros([BC], dtype=ACC)
+    acc3 = tl.zeros([BC], dtype=ACC)
+    acc4 = tl.zeros([BC], dtype=ACC)
+    acc5 = tl.zeros([BC], dtype=ACC)
+    acc_nw = tl.zeros([BC], dtype=ACC)
+    acc_nb = tl.zeros([BC], dtype=ACC)
+    for i in range(0, ROWS, BR):
+        rows = i_p * ROWS + i + tl.arange(0, BR)
+        mask = (rows < N_ROWS)[:, None] & m_col[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        x_hat, rstd = _normalized(tl.load(x + offs, mask=mask, other=0).to(ACC), m_col, C, eps, False)
+        b_y = _affine(x_hat, nw, nb, cols, m_col, HAS_NW, HAS_NB, ACC)
+        prev = _has_previous(rows, T, N_ROWS, starts, HAS_STARTS)[:, None]
+        b_p = _normed_rows(x, x, x, nw, nb, offs - C, mask & prev, cols, m_col, C, eps, False, False, False,
+                           HAS_NW, HAS_NB, ACC)
+        delta = tl.where(prev, b_p, 0.0) - b_y
+        after = mask & _has_previous(rows + 1, T, N_ROWS, starts, HAS_STARTS)[:, None]  # row t+1 continues t
+        dy, acc0 = _static_branch_grad(d0, mu, offs, mask, after, cols, m_col, C, delta, 0.0, acc0, 0, ACC)
+        if N > 1:
+            dy, acc1 = _static_branch_grad(d1, mu, offs, mask, after, cols, m_col, C, delta, dy, acc1, 1, ACC)
+        if N > 2:
+            dy, acc2 = _static_branch_grad(d2, mu, offs, mask, after, cols, m_col, C, delta, dy, acc2, 2, ACC)
+        if N > 3:
+            dy, acc3 = _static_branch_grad(d3, mu, offs, mask, after, cols, m_col, C, delta, dy, acc3, 3, ACC)
+        if N > 4:
+            dy, acc4 = _static_branch_grad(d4, mu, offs, mask, after, cols, m_col, C, delta, dy, acc4, 4, ACC)
+        if N > 5:
+            dy, acc5 = _static_branch_grad(d5, mu, offs, mask, after, cols, m_col, C, delta, dy, acc5, 5, ACC)
+        grad = _input_grad(x_hat, rstd, dy, b_nw, C, False)
+        if HAS_DS:
+            grad = grad + tl.load(ds + offs, mask=mask, other=0).to(ACC)
+        tl.store(dx + offs, grad.to(dx.dtype.element_ty), mask=mask)
+        acc_nw += tl.sum(dy * x_hat, axis=0)
+        acc_nb += tl.sum(dy, axis=0)
+    n_prog = tl.num_programs(0)
+    p_mu = dmu_part + i_p * C + cols
+    tl.store(p_mu, acc0, mask=m_col)
+    if N > 1:
+        tl.store(p_mu + n_prog * C, acc1, mask=m_col)
+    if N > 2:
+        tl.store(p_mu + 2 * n_prog * C, acc2, mask=m_col)
+    if N > 3:
+        tl.store(p_mu + 3 * n_prog * C, acc3, mask=m_col)
+    if N > 4:
+        tl.store(p_mu + 4 * n_prog * C, acc4, mask=m_col)
+    if N > 5:
+        tl.store(p_mu + 5 * n_prog * C, acc5, mask=m_col)
+    if HAS_NW:
         tl.store(dnw_part + i_p * C + cols, acc_nw, mask=m_col)
-    if NORM and HAS_NB:
+    if HAS_NB:
         tl.store(dnb_part + i_p * C + cols, acc_nb, mask=m_col)
+
+
+@triton.jit
+def _static_branch_grad(d, mu, offs, mask, after, cols, m_col, C, delta, dy, acc, I: tl.constexpr, ACC: tl.constexpr):
+    """Static branch I of a tile: (dy + d_I (1 - c_I) + d_I[t+1] c_I, acc + column sums of d_I delta)."""
+    coef = tl.load(mu + I * C + cols, mask=m_col, other=0).to(ACC)
+    b_d = tl.load(d + offs, mask=mask, other=0).to(ACC)
+    b_next = tl.load(d + offs + C, mask=after, other=0).to(ACC)
+    return dy + b_d * (1.0 - coef) + b_next * coef, acc + tl.sum(b_d * delta, axis=0)
 
 
 def _padded(tensors: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
@@ -304,55 +338,75 @@ def mix_forward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, start
     return outs, s
 
 
-def bwd_launch(n_branches: int, n_dynamic: int, norm_width: int | None = None) -> tuple[int, int, int]:
+def bwd_launch(n_branches: int, n_dynamic: int) -> tuple[int, int, int]:
     """The backward's (channels, rows, warps) per program for `n_branches` lerps, `n_dynamic` of
-    them with dynamic terms; with the norm (rows of `norm_width` channels), whole rows."""
-    if norm_width is not None:
-        channels = triton.next_power_of_2(norm_width)
-        return channels, max(1, NORM_BWD_ELEMENTS // channels), min(16, max(1, channels // NORM_BWD_CHANNELS_PER_WARP))
+    them with dynamic terms."""
     if n_dynamic:
         return BWD_LAUNCH_DYNAMIC
     return BWD_LAUNCH_ONE if n_branches == 1 else BWD_LAUNCH_TWO if n_branches == 2 else BWD_LAUNCH_MANY
 
 
+def norm_bwd_launch(C: int) -> tuple[int, int, int]:
+    """The norm's backward's (tile rows, rows, warps) per program at rows of C channels."""
+    channels = triton.next_power_of_2(C)
+    tile = max(1, NORM_BWD_TILE_ELEMENTS // channels)
+    return tile, max(tile, NORM_BWD_ELEMENTS // channels), NORM_BWD_WARPS
+
+
 def _bwd_programs(n_rows: int, n_branches: int, n_dynamic: int, norm_width: int | None = None) -> int:
-    """Row programs of the backward: each sums its rows' dmu (and the norm's dw, db) into one
-    partial row."""
-    rows = bwd_launch(n_branches, n_dynamic, norm_width)[1]
+    """Row programs of the backward: each sums its rows' dmu (and the norm's dw, db: rows of
+    `norm_width` channels) into one partial row."""
+    rows = bwd_launch(n_branches, n_dynamic)[1] if norm_width is None else norm_bwd_launch(norm_width)[1]
     return (n_rows + rows - 1) // rows
 
 
 def mix_backward(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None,
-                 grads: list[torch.Tensor], norm: LerpNorm | None = None, ds: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(dx in x's dtype, dmu's per-program partial sums [N, programs, C], dm in m's dtype or None,
-    the norm's dw and db partial sums [programs, C] or None) for the N output gradients `grads`
-    (contiguous, x's shape). With `norm`, x is the norm's input s and dx its gradient, `ds` (the
-    gradient s receives from elsewhere, the residual stream's) included. Partial sums are fp32
-    (fp64 for fp64 x); their sums are left to the caller: under torch.compile Inductor's
-    reduction kernel, which it can fuse with what follows, sums them faster than an eager sum."""
+                 grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dx in x's dtype, dmu's per-program partial sums fp32 (fp64 for fp64 x) [N, programs, C], dm
+    in m's dtype or None) for the N output gradients `grads` (contiguous, x's shape). dmu is the
+    partials' sum over dim 1, left to the caller: under torch.compile Inductor's reduction
+    kernel, which it can fuse with what follows, sums them faster than an eager sum."""
     B, T, C = x.shape
     N, N_M = mu.shape[0], (m.shape[0] if m is not None else 0)
     n_rows = B * T
-    norm_width = C if norm is not None else None
-    channels, rows, warps = bwd_launch(N, N_M, norm_width)
-    n_prog = _bwd_programs(n_rows, N, N_M, norm_width)
+    channels, rows, warps = bwd_launch(N, N_M)
+    n_prog = _bwd_programs(n_rows, N, N_M)
     acc = accumulation_dtype(x.dtype)
     dx = torch.empty_like(x)
     dm = torch.empty_like(m) if m is not None else None
     dmu_part = torch.empty(N, n_prog, C, dtype=acc, device=x.device)
-    weight, bias, eps = norm if norm is not None else (None, None, 1.0)
-    dnw_part = torch.empty(n_prog, C, dtype=acc, device=x.device) if weight is not None else None
-    dnb_part = torch.empty(n_prog, C, dtype=acc, device=x.device) if bias is not None else None
     grid = (triton.cdiv(C, channels), n_prog)
     _mix_bwd_kernel[grid](
-        x, _or(weight, x), _or(bias, x), _or(ds, x), _or(starts, x), mu, _or(m, x), *_padded(grads, x), dx,
-        _or(dm, x), dmu_part, _or(dnw_part, dmu_part), _or(dnb_part, dmu_part), T, C, n_rows, n_rows * C, eps,
-        N=N, N_M=N_M, HAS_STARTS=starts is not None, NORM=norm is not None, HAS_DS=ds is not None,
-        HAS_NW=weight is not None, HAS_NB=bias is not None, ACC=tl_accumulation_dtype(x.dtype),
+        x, _or(starts, x), mu, _or(m, x), *_padded(grads, x), dx, _or(dm, x), dmu_part, T, C, n_rows, n_rows * C,
+        N=N, N_M=N_M, HAS_STARTS=starts is not None, ACC=tl_accumulation_dtype(x.dtype),
         BC=channels, ROWS=rows, num_warps=warps,
     )
-    return dx, dmu_part, dm, dnw_part, dnb_part
+    return dx, dmu_part, dm
+
+
+def norm_mix_backward(s: torch.Tensor, mu: torch.Tensor, starts: torch.Tensor | None, grads: list[torch.Tensor],
+                      norm: LerpNorm, ds: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The backward of the static lerps of norm(s): (ds_total, dmu's partial sums [N, programs, C],
+    the norm's dw and db partial sums [programs, C] or None), with ds_total in s's dtype the whole
+    gradient of s, the stream's `ds` included. Partial sums as mix_backward's."""
+    B, T, C = s.shape
+    N, n_rows = mu.shape[0], B * T
+    tile, rows, warps = norm_bwd_launch(C)
+    n_prog = _bwd_programs(n_rows, N, 0, C)
+    acc = accumulation_dtype(s.dtype)
+    dx = torch.empty_like(s)
+    dmu_part = torch.empty(N, n_prog, C, dtype=acc, device=s.device)
+    dnw_part = torch.empty(n_prog, C, dtype=acc, device=s.device) if norm.weight is not None else None
+    dnb_part = torch.empty(n_prog, C, dtype=acc, device=s.device) if norm.bias is not None else None
+    _norm_mix_bwd_kernel[(n_prog,)](
+        s, _or(norm.weight, s), _or(norm.bias, s), _or(ds, s), _or(starts, s), mu, *_padded(grads, s), dx, dmu_part,
+        _or(dnw_part, dmu_part), _or(dnb_part, dmu_part), T, C, n_rows, norm.eps,
+        N=N, HAS_STARTS=starts is not None, HAS_DS=ds is not None, HAS_NW=norm.weight is not None,
+        HAS_NB=norm.bias is not None, ACC=tl_accumulation_dtype(s.dtype), BR=tile, BC=triton.next_power_of_2(C),
+        ROWS=rows, num_warps=warps,
+    )
+    return dx, dmu_part, dnw_part, dnb_part
 
 
 # custom ops: what torch.compile sees (one opaque node each way, so the block stays one graph)
@@ -379,7 +433,7 @@ def _(x, mu, m, starts):
 @torch.library.custom_op("flame::token_shift_mix_bwd", mutates_args=())
 def _mix_bwd_op(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None, starts: torch.Tensor | None,
                 grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dmu_part, dm, _, _ = mix_backward(x, mu, m, starts, grads)
+    dx, dmu_part, dm = mix_backward(x, mu, m, starts, grads)
     return dx, dmu_part, _empty_or(dm, x)
 
 
@@ -448,7 +502,7 @@ def _(x, residual, weight, bias, eps, mu, starts):
 def _norm_mix_bwd_op(s: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                      mu: torch.Tensor, starts: torch.Tensor | None, grads: list[torch.Tensor],
                      ds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dmu_part, _, dw_part, db_part = mix_backward(s, mu, None, starts, grads, LerpNorm(weight, bias, eps), ds)
+    dx, dmu_part, dw_part, db_part = norm_mix_backward(s, mu, starts, grads, LerpNorm(weight, bias, eps), ds)
     return dx, dmu_part, _empty_or(dw_part, dmu_part), _empty_or(db_part, dmu_part)
 
 

@@ -18,6 +18,13 @@ registers. The program's last row takes the sum of d_i c_i of the row after its 
 own. The per-program dmu sums are added up afterwards (fp32, in a fixed order: deterministic). All
 arithmetic is fp32 (fp64 for fp64 inputs); outputs round once.
 
+With the norm (`norm_token_shift_mix`: the lerps of y = layer_norm(s), s = x + residual or x), the
+forward's tiles hold whole rows: each tile normalises its rows and the rows above them (the
+predecessors' y, recomputed rather than read) and writes s (with a residual) and the lerps; y never
+reaches memory. The backward (`_norm_mix_bwd_kernel`) takes [BR, BC] tiles of whole rows with the
+tile one row below: dy from the d_i of both, the norm's backward from dy and the stream's gradient
+ds, dmu, dw and db per program, all reductions over a tile's rows at once.
+
 Launch shapes: the forward's tile is memory-bound at every shape tried. The backward's
 (`bwd_launch`) are the fastest of thirteen shapes timed on an H100 at the 340M layer size for each
 case the models launch: one, two and six static lerps, and five with dynamic terms (bench/RESULTS.md,
@@ -136,6 +143,22 @@ def _row_term(d, mu, m, stride_m, offs, mask, cols, m_col, C, I: tl.constexpr, N
 
 
 @triton.jit
+def _store_branch_sums(part, stride, acc0, acc1, acc2, acc3, acc4, acc5, m_col, N: tl.constexpr):
+    """Branch i's per-channel sums at part + i * stride, i < N (a program's row of dmu's partials)."""
+    tl.store(part, acc0, mask=m_col)
+    if N > 1:
+        tl.store(part + stride, acc1, mask=m_col)
+    if N > 2:
+        tl.store(part + 2 * stride, acc2, mask=m_col)
+    if N > 3:
+        tl.store(part + 3 * stride, acc3, mask=m_col)
+    if N > 4:
+        tl.store(part + 4 * stride, acc4, mask=m_col)
+    if N > 5:
+        tl.store(part + 5 * stride, acc5, mask=m_col)
+
+
+@triton.jit
 def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, T, C, N_ROWS, stride_m,
                     N: tl.constexpr, N_M: tl.constexpr, HAS_STARTS: tl.constexpr, ACC: tl.constexpr,
                     BC: tl.constexpr, ROWS: tl.constexpr):
@@ -198,19 +221,7 @@ def _mix_bwd_kernel(x, starts, mu, m, d0, d1, d2, d3, d4, d5, dx, dm, dmu_part, 
     if N > 5:
         g += _row_term(d5, mu, m, stride_m, offs, mask, cols, m_col, C, 5, N, N_M, ACC)
     tl.store(dx + offs - C, (pending + g).to(dx.dtype.element_ty), mask=m_col & (r_end - 1 + zero < N_ROWS))
-    n_prog = tl.num_programs(1)
-    p_mu = dmu_part + i_p * C + cols
-    tl.store(p_mu, acc0, mask=m_col)
-    if N > 1:
-        tl.store(p_mu + n_prog * C, acc1, mask=m_col)
-    if N > 2:
-        tl.store(p_mu + 2 * n_prog * C, acc2, mask=m_col)
-    if N > 3:
-        tl.store(p_mu + 3 * n_prog * C, acc3, mask=m_col)
-    if N > 4:
-        tl.store(p_mu + 4 * n_prog * C, acc4, mask=m_col)
-    if N > 5:
-        tl.store(p_mu + 5 * n_prog * C, acc5, mask=m_col)
+    _store_branch_sums(dmu_part + i_p * C + cols, tl.num_programs(1) * C, acc0, acc1, acc2, acc3, acc4, acc5, m_col, N)
 
 
 @triton.jit
@@ -264,19 +275,7 @@ def _norm_mix_bwd_kernel(x, nw, nb, ds, starts, mu, d0, d1, d2, d3, d4, d5, dx, 
         tl.store(dx + offs, grad.to(dx.dtype.element_ty), mask=mask)
         acc_nw += tl.sum(dy * x_hat, axis=0)
         acc_nb += tl.sum(dy, axis=0)
-    n_prog = tl.num_programs(0)
-    p_mu = dmu_part + i_p * C + cols
-    tl.store(p_mu, acc0, mask=m_col)
-    if N > 1:
-        tl.store(p_mu + n_prog * C, acc1, mask=m_col)
-    if N > 2:
-        tl.store(p_mu + 2 * n_prog * C, acc2, mask=m_col)
-    if N > 3:
-        tl.store(p_mu + 3 * n_prog * C, acc3, mask=m_col)
-    if N > 4:
-        tl.store(p_mu + 4 * n_prog * C, acc4, mask=m_col)
-    if N > 5:
-        tl.store(p_mu + 5 * n_prog * C, acc5, mask=m_col)
+    _store_branch_sums(dmu_part + i_p * C + cols, tl.num_programs(0) * C, acc0, acc1, acc2, acc3, acc4, acc5, m_col, N)
     if HAS_NW:
         tl.store(dnw_part + i_p * C + cols, acc_nw, mask=m_col)
     if HAS_NB:

@@ -202,7 +202,7 @@ def test_rwkvlm_train_refuses_to_profile_every_step(tmp_path):
 
 
 @pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached", "squared_relu_mlp", "layer_norm",
-                                "rms_norm"])
+                                "rms_norm", "norm_token_shift_mix"])
 def test_launch_settings_vary_settings_the_kernels_read(op):
     """Every variant replaces a module attribute that exists and holds a value of the kind it
     sets (a constant of the same type, or the function the op calls), so that a renamed constant
@@ -211,9 +211,10 @@ def test_launch_settings_vary_settings_the_kernels_read(op):
     from bench.ops import REGISTRY
 
     assert op in REGISTRY and set(launch_settings.SHAPES) == {"chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached",
-                                                              "squared_relu_mlp", "layer_norm", "rms_norm"}
+                                                              "squared_relu_mlp", "layer_norm", "rms_norm",
+                                                              "norm_token_shift_mix"}
     found = launch_settings.variants(op)
-    assert len(found) >= {"squared_relu_mlp": 7, "layer_norm": 6, "rms_norm": 6}.get(op, 13)
+    assert len(found) >= {"squared_relu_mlp": 7, "layer_norm": 6, "rms_norm": 6, "norm_token_shift_mix": 10}.get(op, 13)
     for label, settings in found.items():
         for module, name, value in (settings if isinstance(settings, list) else [settings]):
             shipped = getattr(module, name)

@@ -29,8 +29,7 @@ SHAPES = {"chunk_rwkv6": dict(B=8, T=2048, H=16, K=64, V=64),
           "chunk_gsa": dict(B=8, T=2048, H=4, K=256, V=256, M=64),
           "chunk_rwkv7_cached": dict(B=8, T=2048, H=16, K=64, V=64),
           "squared_relu_mlp": dict(M=16384, C=1024, F=4096),
-          "layer_norm": dict(M=16384, C=1024), "rms_norm": dict(M=32768, C=1024),
-          "norm_token_shift_mix": dict(B=8, T=2048, C=1024, N=6, residual=False)}
+          "layer_norm": dict(M=16384, C=1024), "rms_norm": dict(M=32768, C=1024)}
 
 
 def kernel_ms(fn: Callable[[dict], object], inputs: dict, iters: int) -> dict[str, float]:
@@ -108,20 +107,6 @@ def _norm_variants() -> dict[str, tuple[object, str, object]]:
     return out
 
 
-def _norm_lerps_variants() -> dict[str, tuple[object, str, object]]:
-    """The norm-with-lerps kernels (flame.ops.token_shift.mix_triton, whole rows): the forward
-    tile's elements and warps, the backward tile's and program's elements and its warps."""
-    from flame.ops.token_shift import mix_triton
-
-    out: dict[str, tuple[object, str, object]] = {}
-    for name, values in (("NORM_FWD_ELEMENTS", (2048, 8192)), ("NORM_FWD_WARPS", (4, 16)),
-                         ("NORM_BWD_TILE_ELEMENTS", (1024, 4096)), ("NORM_BWD_ELEMENTS", (16384, 131072)),
-                         ("NORM_BWD_WARPS", (4, 16))):
-        for value in values:
-            out[f"{name} {value}"] = (mix_triton, name, value)
-    return out
-
-
 def variants(op: str) -> dict[str, tuple[object, str, object] | list[tuple[object, str, object]]]:
     """{label: (module, attribute, value), or a list of them set together}: one launch setting each (a
     sub-chunk or warp count as a keyword argument of the function the op calls, or a module constant
@@ -136,8 +121,6 @@ def variants(op: str) -> dict[str, tuple[object, str, object] | list[tuple[objec
         return _mlp_variants()
     if op in ("layer_norm", "rms_norm"):
         return _norm_variants()
-    if op == "norm_token_shift_mix":
-        return _norm_lerps_variants()
 
     family = {"chunk_rwkv6": rwkv6, "chunk_gsa": gsa}[op]
     out: dict[str, tuple[object, str, object]] = {}

@@ -366,48 +366,6 @@ register(BenchOp(name="rms_norm", shapes=(dict(M=32768, C=1024), dict(M=16384, C
                  make_inputs=_norm_inputs(bias=False), flame=_flame_norm))
 
 
-# The RWKV blocks' norms with the lerps that read them (flame.ops.norm_token_shift_mix: s + the
-# lerps, so that the backward takes the stream's gradient too), beside the two ops it fuses
-# (`unfused`: flame's layer_norm with the residual add, then token_shift_mix), per micro-batch of
-# the shipped configs: rwkv7_340M's time mix (six lerps of the stream) and channel mix (one, after
-# the residual add), rwkv6_340M's channel mix (two), rwkv7_1B's time mix
-
-def _norm_lerps_inputs(dtype, device, B, T, C, N, residual):
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def leaf(t):
-        return t.to(dtype).requires_grad_(True)
-    return {
-        "x": leaf(torch.randn(B, T, C, device=device, generator=gen)),
-        "residual": leaf(torch.randn(B, T, C, device=device, generator=gen)) if residual else None,
-        "mu": leaf(torch.rand(N, C, device=device, generator=gen)),
-        "weight": leaf(1 + 0.1 * torch.randn(C, device=device, generator=gen)),
-        "bias": leaf(0.1 * torch.randn(C, device=device, generator=gen)),
-    }
-
-
-def _flame_norm_lerps(x):
-    from flame.ops import norm_token_shift_mix
-    s, lerps = norm_token_shift_mix(x["x"], x["mu"], x["weight"], x["bias"], 1e-5, residual=x["residual"],
-                                    backend="triton")
-    return s + sum(lerps)
-
-
-def _unfused_norm_lerps():
-    from flame.ops import layer_norm, token_shift_mix
-
-    def run(x):
-        s, h = layer_norm(x["x"], x["weight"], x["bias"], 1e-5, residual=x["residual"], stream=True, backend="triton")
-        return s + sum(token_shift_mix(h, x["mu"], backend="triton"))
-    return run
-
-
-register(BenchOp(name="norm_token_shift_mix",
-                 shapes=(dict(B=8, T=2048, C=1024, N=6, residual=False), dict(B=8, T=2048, C=1024, N=1, residual=True),
-                         dict(B=8, T=2048, C=1024, N=2, residual=True), dict(B=4, T=2048, C=2048, N=6, residual=False)),
-                 make_inputs=_norm_lerps_inputs, flame=_flame_norm_lerps, peers=(("unfused", _unfused_norm_lerps),)))
-
-
 # ------------------------------------------------------------------------------------------------
 # launch-option variants
 

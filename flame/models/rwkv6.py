@@ -206,13 +206,11 @@ class RWKV6FeedForward(nn.Module):
         init.zeros_(self.receptance.weight)
         init.zeros_(self.value.weight)
 
-    def mix_coefficients(self) -> torch.Tensor:
-        """[2, C]: the lerp coefficients of the inputs `forward` takes, in the order k, r."""
-        return torch.stack([self.mu_k, self.mu_r])
-
-    def forward(self, lerps: list[torch.Tensor]) -> torch.Tensor:
-        """lerps: [xk, xr], the token-shift lerps of the normed input (`mix_coefficients`)."""
-        xk, xr = lerps
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None) -> torch.Tensor:
+        previous = None if state is None else state.previous_token(x, "ffn_shift", cu_seqlens)
+        xk, xr = ops.token_shift_mix(x, torch.stack([self.mu_k, self.mu_r]), cu_seqlens=cu_seqlens,
+                                     previous=previous, backend=self.backend)
         value = ops.squared_relu_mlp(xk, self.key.weight, self.value.weight, backend=self.backend)
         return torch.sigmoid(self.receptance(xr)) * value
 
@@ -244,10 +242,8 @@ class RWKV6Block(RWKVBlock):
         if self.is_first:
             x = self.pre_norm(x)
         x, h = self.attn_norm(x, stream=True)
-        attn_out = self.attn(h, cu_seqlens, state)
-        x, lerps = self.normed_lerps(self.ffn_norm, x, self.ffn.mix_coefficients(), residual=attn_out,
-                                     cu_seqlens=cu_seqlens, state=state, field="ffn_shift")
-        return x + self.ffn(lerps)
+        x, h = self.ffn_norm(x, residual=self.attn(h, cu_seqlens, state))
+        return x + self.ffn(h, cu_seqlens, state)
 
 
 class RWKV6ForCausalLM(RWKVCausalLM):

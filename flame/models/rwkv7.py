@@ -108,19 +108,17 @@ class RWKV7Attention(nn.Module):
         init.constant_(self.ln_x.weight, ((self.layer_id + 1) / self.num_layers) ** 0.7)
         init.zeros_(self.ln_x.bias)
 
-    def mix_coefficients(self) -> torch.Tensor:
-        """[6, C]: the lerp coefficients of the inputs `forward` takes, in the order r, w, k, v, a, g."""
-        return torch.stack([self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g])
-
-    def forward(self, lerps: list[torch.Tensor], v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
                 state: LayerState | None = None):
-        """lerps: the six token-shift lerps of the normed block input (`mix_coefficients`), [B, T, C] each."""
-        xr, xw, xk, xv, xa, xg = lerps
-        B, T, C = xr.shape
+        B, T, C = x.shape
         H, N = self.num_heads, self.head_dim
+        previous = None if state is None else state.previous_token(x, "attn_shift", cu_seqlens)
+        mu = torch.stack([self.mu_r, self.mu_w, self.mu_k, self.mu_v, self.mu_a, self.mu_g])
+        xr, xw, xk, xv, xa, xg = ops.token_shift_mix(x, mu, cu_seqlens=cu_seqlens, previous=previous,
+                                                     backend=self.backend)
 
         r = self.receptance(xr)
-        w = -DECAY_BOUND * torch.sigmoid(like(self.w0, xw) + torch.tanh(xw @ self.w1) @ self.w2)
+        w = -DECAY_BOUND * torch.sigmoid(like(self.w0, x) + torch.tanh(xw @ self.w1) @ self.w2)
         k = self.key(xk)
         v = self.value(xv)
         if self.defines_v_first:
@@ -129,8 +127,8 @@ class RWKV7Attention(nn.Module):
             if v_first is None:
                 raise ValueError(f"RWKV7 layer {self.layer_id} needs v_first from layer 0")
             # v + (v_first - v) * gate rather than torch.lerp, which refuses mixed dtypes under autocast
-            v = v + (v_first - v) * torch.sigmoid(like(self.v0, xv) + (xv @ self.v1) @ self.v2)
-        a = torch.sigmoid(like(self.a0, xa) + (xa @ self.a1) @ self.a2)
+            v = v + (v_first - v) * torch.sigmoid(like(self.v0, x) + (xv @ self.v1) @ self.v2)
+        a = torch.sigmoid(like(self.a0, x) + (xa @ self.a1) @ self.a2)
         g = torch.sigmoid(xg @ self.g1) @ self.g2
 
         kappa = F.normalize((k * like(self.k_k, k)).view(B, T, H, N), p=2.0, dim=-1).to(k.dtype)
@@ -228,13 +226,11 @@ class RWKV7FeedForward(nn.Module):
         init.orthogonal_(self.key.weight, 1.0)
         init.zeros_(self.value.weight)
 
-    def mix_coefficients(self) -> torch.Tensor:
-        """[1, C]: the lerp coefficient of the input `forward` takes."""
-        return self.mu_k[None]
-
-    def forward(self, lerps: list[torch.Tensor]) -> torch.Tensor:
-        """lerps: [xk], the token-shift lerp of the normed input (`mix_coefficients`)."""
-        (xk,) = lerps
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: LayerState | None = None) -> torch.Tensor:
+        previous = None if state is None else state.previous_token(x, "ffn_shift", cu_seqlens)
+        (xk,) = ops.token_shift_mix(x, self.mu_k[None], cu_seqlens=cu_seqlens, previous=previous,
+                                    backend=self.backend)
         return ops.squared_relu_mlp(xk, self.key.weight, self.value.weight, backend=self.backend)
 
     def decode_weights(self) -> dict[str, torch.Tensor]:
@@ -258,12 +254,10 @@ class RWKV7Block(RWKVBlock):
                 state: LayerState | None = None):
         if self.is_first:
             x = self.pre_norm(x)
-        x, lerps = self.normed_lerps(self.attn_norm, x, self.attn.mix_coefficients(), cu_seqlens=cu_seqlens,
-                                     state=state, field="attn_shift")
-        attn_out, v_first = self.attn(lerps, v_first, cu_seqlens, state)
-        x, lerps = self.normed_lerps(self.ffn_norm, x, self.ffn.mix_coefficients(), residual=attn_out,
-                                     cu_seqlens=cu_seqlens, state=state, field="ffn_shift")
-        return x + self.ffn(lerps), v_first
+        x, h = self.attn_norm(x, stream=True)
+        attn_out, v_first = self.attn(h, v_first, cu_seqlens, state)
+        x, h = self.ffn_norm(x, residual=attn_out)
+        return x + self.ffn(h, cu_seqlens, state), v_first
 
 
 class RWKV7ForCausalLM(RWKVCausalLM):

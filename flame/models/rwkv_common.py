@@ -9,7 +9,6 @@ import math
 import torch
 from torch import nn
 
-from flame import ops
 from flame.models import init
 from flame.models.causal_lm import CausalLM, prologue_args
 from flame.models.precision import LayerNorm
@@ -37,9 +36,8 @@ class RWKVBlock(nn.Module):
     """Pre-LN block: x += attn(attn_norm x); x += ffn(ffn_norm x); layer 0 first applies
     `pre_norm` (the official ln0). The family passes its time mix `attn` and channel mix `ffn`
     and writes `forward` (RWKV7 threads v_first through its blocks), where each norm also
-    returns the residual stream (`LayerNorm`'s `stream` and `residual`, or `normed_lerps` where
-    the norm's output feeds only the sub-layer's token-shift lerps): `ffn_norm` takes the first
-    residual add with it, and both sum the stream's gradients in their backward pass.
+    returns the residual stream (`LayerNorm`'s `stream` and `residual`): `ffn_norm` takes the
+    first residual add with it, and both sum the stream's gradients in their backward pass.
 
     `forward` branches on the bool `is_first`, never on `layer_id`: torch.compile treats an int
     attribute of a module as a constant, so a branch on it compiles a graph per layer and, past
@@ -65,21 +63,6 @@ class RWKVBlock(nn.Module):
         self.ffn_norm.reset_parameters()
         self.attn.init_weights()
         self.ffn.init_weights()
-
-    def normed_lerps(self, norm: LayerNorm, x: torch.Tensor, mu: torch.Tensor, *, residual: torch.Tensor | None = None,
-                     cu_seqlens: torch.Tensor | None = None, state: LayerState | None = None, field: str = ""
-                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(s, lerps): the residual stream s = x (+ residual) and the token-shift lerps of norm(s)
-        with coefficients mu [N, C], the sub-layer's inputs. Training runs one op each way
-        (flame.ops.norm_token_shift_mix: the norm's output never reaches memory); with a decoding
-        state, the norm's output is materialised, its last token stored in the state's `field`
-        and the previous call's read as the first token's predecessor."""
-        if state is None:
-            return ops.norm_token_shift_mix(x, mu, norm.weight, norm.bias, norm.eps, residual=residual,
-                                            cu_seqlens=cu_seqlens, backend=norm.backend)
-        s, h = norm(x, residual=residual, stream=True)
-        previous = state.previous_token(h, field, cu_seqlens)
-        return s, ops.token_shift_mix(h, mu, cu_seqlens=cu_seqlens, previous=previous, backend=norm.backend)
 
     def state_flops_per_token(self) -> int:
         return self.attn.state_flops_per_token()

@@ -37,17 +37,15 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         )
 
 
-_NORMS = ("flame::norm_fwd", "flame::add_norm_fwd", "flame::norm_token_shift_mix_fwd")
+_NORMS = ("flame::norm_fwd", "flame::add_norm_fwd")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.linear.default}
 
 
 def keep_matmuls_and_attention(ctx, func, *args, **kwargs):
     """The "elementwise" policy: a block saves for its backward the outputs of its matrix
-    products, of flame's ops (namespace `flame`) but its norms (with the lerps of a norm's output,
-    `norm_token_shift_mix`: it reads the one or two tensors of the stream and writes the lerps and
-    the stream), and of autocast's casts of its parameters, and recomputes the rest (norms, gates,
-    activations). Of the token-shift lerps
+    products, of flame's ops (namespace `flame`) but its norms, and of autocast's casts of its
+    parameters, and recomputes the rest (norms, gates, activations). Of the token-shift lerps
     (`token_shift_mix`), it recomputes those whose recomputation moves fewer than two tensors per
     output it spares (RWKV7's six static lerps: one read and six writes for six outputs; the
     two of RWKV6's channel mix), and keeps the others (a single lerp; RWKV6's five data-dependent

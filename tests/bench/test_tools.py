@@ -101,7 +101,7 @@ def test_every_gpu_tool_refuses_a_cpu(tool, monkeypatch):
 def test_ops_names_its_libraries_before_looking_for_a_gpu():
     from bench import ops
 
-    with pytest.raises(SystemExit, match="flame, fla, rwkvlm, rwkvlm_h100, inductor, unfused, not 'flame,nope'"):
+    with pytest.raises(SystemExit, match="flame, fla, rwkvlm, rwkvlm_h100, inductor, not 'flame,nope'"):
         ops.main(["--libs", "flame,nope"])
 
 
@@ -147,21 +147,6 @@ def test_ops_norm_entries_run_the_blocks_form(name):
     torch.testing.assert_close(ops.REGISTRY[name].flame(inputs), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("N, residual", [(6, False), (2, True)])
-def test_ops_norm_lerps_entry_runs_flames_op_and_the_ops_it_fuses(N, residual):
-    """bench.ops' norm_token_shift_mix entry on a small shape on CPU (the Triton kernels under the
-    interpreter): flame's fused op and the `unfused` peer (layer_norm, then token_shift_mix) agree,
-    and every input is a leaf the backward reaches."""
-    from bench import ops
-
-    op = ops.REGISTRY["norm_token_shift_mix"]
-    inputs = op.make_inputs(torch.float32, "cpu", B=2, T=9, C=40, N=N, residual=residual)
-    unfused = dict(ops.load_callables(op, {"unfused"}, {}))["unfused"]
-    torch.testing.assert_close(op.flame(inputs), unfused(inputs), rtol=1e-5, atol=1e-5)
-    op.flame(inputs).sum().backward()
-    assert all(t.grad is not None for t in inputs.values() if t is not None)
-
-
 def test_ops_prints_a_line_per_library_with_flames_time_over_its():
     from bench import ops
 
@@ -202,7 +187,7 @@ def test_rwkvlm_train_refuses_to_profile_every_step(tmp_path):
 
 
 @pytest.mark.parametrize("op", ["chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached", "squared_relu_mlp", "layer_norm",
-                                "rms_norm", "norm_token_shift_mix"])
+                                "rms_norm"])
 def test_launch_settings_vary_settings_the_kernels_read(op):
     """Every variant replaces a module attribute that exists and holds a value of the kind it
     sets (a constant of the same type, or the function the op calls), so that a renamed constant
@@ -211,10 +196,9 @@ def test_launch_settings_vary_settings_the_kernels_read(op):
     from bench.ops import REGISTRY
 
     assert op in REGISTRY and set(launch_settings.SHAPES) == {"chunk_rwkv6", "chunk_gsa", "chunk_rwkv7_cached",
-                                                              "squared_relu_mlp", "layer_norm", "rms_norm",
-                                                              "norm_token_shift_mix"}
+                                                              "squared_relu_mlp", "layer_norm", "rms_norm"}
     found = launch_settings.variants(op)
-    assert len(found) >= {"squared_relu_mlp": 7, "layer_norm": 6, "rms_norm": 6, "norm_token_shift_mix": 10}.get(op, 13)
+    assert len(found) >= {"squared_relu_mlp": 7, "layer_norm": 6, "rms_norm": 6}.get(op, 13)
     for label, settings in found.items():
         for module, name, value in (settings if isinstance(settings, list) else [settings]):
             shipped = getattr(module, name)

@@ -38,8 +38,8 @@ def test_unknown_activation_checkpoint_mode_is_named(tmp_path):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("family", ["rwkv7", "rwkv6"])
 def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_path, family):
-    """Compiled under autocast, an "elementwise" block's backward recomputes its norms and their
-    static lerps but takes autocast's bf16 copies of the weights from the forward (a recomputed cast would
+    """Compiled under autocast, an "elementwise" block's backward recomputes its norms and static
+    lerps but takes autocast's bf16 copies of the weights from the forward (a recomputed cast would
     read every fp32 weight a second time per micro-batch) and RWKV6's data-dependent lerps."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -86,12 +86,10 @@ def test_elementwise_policy_saves_the_weight_casts_and_recomputes_the_glue(tmp_p
                and node.args[0].meta["val"].dim() == 2]
     assert not recasts, [str(node) for node in recasts]
     recomputed = {node.target for node in backward.nodes}
-    # the norms whose output feeds only lerps, with those lerps: RWKV7's time mix (six) and channel
-    # mix (one, the residual add before it); RWKV6's channel mix (two, the residual add before it)
-    fused = [node for node in backward.nodes if node.target == torch.ops.flame.norm_token_shift_mix_fwd.default]
-    assert sorted(node.args[5].meta["val"].shape[0] for node in fused) == {"rwkv7": [1, 6], "rwkv6": [2]}[family]
-    assert sorted(node.args[1] is not None for node in fused) == {"rwkv7": [False, True], "rwkv6": [True]}[family]
-    # RWKV6's time-mix norm, whose output also feeds its data-dependent lerps; kept: its single lerp
-    # and the data-dependent ones
-    assert (torch.ops.flame.norm_fwd.default in recomputed) == (family == "rwkv6")
-    assert torch.ops.flame.token_shift_mix_fwd.default not in recomputed
+    # both norms: the block's first, and the second with the residual add before it
+    assert {torch.ops.flame.norm_fwd.default, torch.ops.flame.add_norm_fwd.default} <= recomputed
+    lerps = [node for node in backward.nodes if node.target == torch.ops.flame.token_shift_mix_fwd.default]
+    # recomputed: RWKV7's six static lerps, RWKV6's channel-mix pair; kept: single lerps and RWKV6's
+    # data-dependent ones
+    assert sorted(node.args[1].meta["val"].shape[0] for node in lerps) == {"rwkv7": [6], "rwkv6": [2]}[family]
+    assert all(node.args[2] is None for node in lerps)

@@ -30,8 +30,7 @@ def norm_torch(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     return y.to(x.dtype)
 
 
-def check_norm_inputs(op: str, x, residual, weight, bias, eps) -> None:
-    """Raises on a bad norm input of `op`: types, shapes, devices and eps."""
+def _check_inputs(op: str, x, residual, weight, bias, eps) -> None:
     for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -53,7 +52,7 @@ def check_norm_inputs(op: str, x, residual, weight, bias, eps) -> None:
 
 
 def _norm(op: str, x, residual, weight, bias, eps, rms: bool, stream: bool, backend: str):
-    check_norm_inputs(op, x, residual, weight, bias, eps)
+    _check_inputs(op, x, residual, weight, bias, eps)
     if residual is not None and residual.dtype != x.dtype:  # as x + residual would: the promoted dtype
         dtype = torch.promote_types(x.dtype, residual.dtype)
         x, residual = x.to(dtype), residual.to(dtype)

@@ -39,64 +39,13 @@ BWD_WARPS = 4
 
 @triton.jit
 def _normalized(b_x, m_col, C, eps, RMS: tl.constexpr):
-    """(x^, rstd) of whole rows over the last axis: a [BR, BC] tile or one row [BC] (columns past
-    C masked to 0 by `m_col`); rstd keeps the reduced axis ([BR, 1] or [1])."""
+    """(x^, rstd) of a [BR, BC] tile of whole rows (columns past C masked to 0 by `m_col`)."""
     if RMS:
         centred = b_x
     else:
-        centred = tl.where(m_col, b_x - tl.sum(b_x, axis=-1, keep_dims=True) / C, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=-1, keep_dims=True) / C + eps)
-    return centred * rstd, rstd
-
-
-@triton.jit
-def _stream_rows(x, res, s, offs, mask, HAS_RES: tl.constexpr, WRITE_S: tl.constexpr, ACC: tl.constexpr):
-    """The stream s = x (+ res) at `offs`, in x's dtype: the sum rounds to x's dtype, as the unfused
-    add would, before the norm reads it; stored to `s` when WRITE_S."""
-    b_x = tl.load(x + offs, mask=mask, other=0)
-    if HAS_RES:
-        b_x = (b_x.to(ACC) + tl.load(res + offs, mask=mask, other=0).to(ACC)).to(x.dtype.element_ty)
-        if WRITE_S:
-            tl.store(s + offs, b_x, mask=mask)
-    return b_x
-
-
-@triton.jit
-def _affine(x_hat, w, b, cols, m_col, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr):
-    """x^ w + b over the last axis (w and b [C] at `cols`)."""
-    out = x_hat
-    if HAS_W:
-        out = out * tl.load(w + cols, mask=m_col, other=0).to(ACC)
-    if HAS_B:
-        out = out + tl.load(b + cols, mask=m_col, other=0).to(ACC)
-    return out
-
-
-@triton.jit
-def _weight(w, cols, m_col, HAS_W: tl.constexpr, ACC: tl.constexpr):
-    """The weight at `cols`, ones without one."""
-    if HAS_W:
-        return tl.load(w + cols, mask=m_col, other=0).to(ACC)
-    return tl.full(cols.shape, 1.0, ACC)
-
-
-@triton.jit
-def _input_grad(x_hat, rstd, b_dy, b_w, C, RMS: tl.constexpr):
-    """dx of y = x^ w + b over the last axis: rstd (w dy - x^ mean(x^ w dy) - mean(w dy))."""
-    wdy = b_dy * b_w
-    grad = wdy - x_hat * (tl.sum(x_hat * wdy, axis=-1, keep_dims=True) / C)
-    if not RMS:
-        grad = grad - tl.sum(wdy, axis=-1, keep_dims=True) / C
-    return grad * rstd
-
-
-@triton.jit
-def _normed_rows(x, res, s, w, b, offs, mask, cols, m_col, C, eps, RMS: tl.constexpr, HAS_RES: tl.constexpr,
-                 WRITE_S: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr):
-    """norm(s) of whole rows at `offs` (fp32), s = x (+ res) stored to `s` when WRITE_S and HAS_RES."""
-    b_x = _stream_rows(x, res, s, offs, mask, HAS_RES, WRITE_S, ACC)
-    x_hat, _ = _normalized(b_x.to(ACC), m_col, C, eps, RMS)
-    return _affine(x_hat, w, b, cols, m_col, HAS_W, HAS_B, ACC)
+        centred = tl.where(m_col[None, :], b_x - (tl.sum(b_x, axis=1) / C)[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / C + eps)
+    return centred * rstd[:, None], rstd
 
 
 @triton.jit
@@ -108,7 +57,16 @@ def _norm_fwd_kernel(x, res, s, w, b, y, N_ROWS, C, eps, RMS: tl.constexpr, HAS_
     m_col = cols < C
     mask = (rows < N_ROWS)[:, None] & m_col[None, :]
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    out = _normed_rows(x, res, s, w, b, offs, mask, cols, m_col, C, eps, RMS, HAS_RES, True, HAS_W, HAS_B, ACC)
+    b_x = tl.load(x + offs, mask=mask, other=0)
+    if HAS_RES:  # the sum rounds to x's dtype, as the unfused add would, before the norm reads it
+        b_x = (b_x.to(ACC) + tl.load(res + offs, mask=mask, other=0).to(ACC)).to(s.dtype.element_ty)
+        tl.store(s + offs, b_x, mask=mask)
+    x_hat, _ = _normalized(b_x.to(ACC), m_col, C, eps, RMS)
+    out = x_hat
+    if HAS_W:
+        out = out * tl.load(w + cols, mask=m_col, other=0).to(ACC)[None, :]
+    if HAS_B:
+        out = out + tl.load(b + cols, mask=m_col, other=0).to(ACC)[None, :]
     tl.store(y + offs, out.to(y.dtype.element_ty), mask=mask)
 
 
@@ -119,7 +77,8 @@ def _norm_bwd_kernel(x, w, dy, ds, dx, dw_part, db_part, N_ROWS, C, eps, RMS: tl
     i_p = tl.program_id(0)
     cols = tl.arange(0, BC)
     m_col = cols < C
-    b_w = _weight(w, cols, m_col, HAS_W, ACC)
+    if HAS_W:
+        b_w = tl.load(w + cols, mask=m_col, other=0).to(ACC)
     acc_w = tl.zeros([BR, BC], dtype=ACC)
     acc_b = tl.zeros([BR, BC], dtype=ACC)
     for i in range(0, ROWS, BR):
@@ -128,7 +87,11 @@ def _norm_bwd_kernel(x, w, dy, ds, dx, dw_part, db_part, N_ROWS, C, eps, RMS: tl
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         x_hat, rstd = _normalized(tl.load(x + offs, mask=mask, other=0).to(ACC), m_col, C, eps, RMS)
         b_dy = tl.load(dy + offs, mask=mask, other=0).to(ACC)
-        grad = _input_grad(x_hat, rstd, b_dy, b_w, C, RMS)
+        wdy = b_dy * b_w[None, :] if HAS_W else b_dy
+        grad = wdy - x_hat * (tl.sum(x_hat * wdy, axis=1) / C)[:, None]
+        if not RMS:
+            grad = grad - (tl.sum(wdy, axis=1) / C)[:, None]
+        grad = grad * rstd[:, None]
         if HAS_DS:
             grad = grad + tl.load(ds + offs, mask=mask, other=0).to(ACC)
         tl.store(dx + offs, grad.to(dx.dtype.element_ty), mask=mask)

@@ -4,17 +4,12 @@ RWKV6 and RWKV7 feed every projection of a time mix or channel mix with its own 
 normed input x and its token shift: x_i = x + delta * c_i with delta = token_shift(x) - x and a
 per-channel coefficient c_i = mu_i (RWKV7; RWKV6's channel mix and its first, static lerp), or
 mu_i + m_i with a data-dependent m_i from a LoRA (RWKV6's five time-mix branches).
-
-`norm_token_shift_mix` is the pre-norm block's form: the lerps of layer_norm(s), with s = x +
-residual or x the block's residual stream, in one pass each way (the norm's output never reaches
-memory: the Triton form computes it from s in the lerps' own passes).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..norm.norm import check_norm_inputs, norm_torch
 from ..utils.backend import resolve_backend
 from ..utils.checks import FLOAT_DTYPES
 from ..utils.dtypes import accumulation_dtype, autocast_off, to_compute_dtype
@@ -38,7 +33,8 @@ def token_shift_mix_torch(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | N
     return outs
 
 
-def _check_inputs(x, mu, m, cu_seqlens, previous, op: str = "token_shift_mix") -> None:
+def _check_inputs(x, mu, m, cu_seqlens, previous) -> None:
+    op = "token_shift_mix"
     for name, t in (("x", x), ("mu", mu), ("m", m), ("previous", previous)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -93,45 +89,3 @@ def token_shift_mix(x: torch.Tensor, mu: torch.Tensor, m: torch.Tensor | None = 
             starts = sequence_starts(cu_seqlens, x.shape[1]) if cu_seqlens is not None else None
             return token_shift_mix_triton(x, mu, m, starts)
         return token_shift_mix_torch(x, mu, m, cu_seqlens, previous)
-
-
-def norm_token_shift_mix_torch(x: torch.Tensor, mu: torch.Tensor, weight: torch.Tensor | None,
-                               bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
-                               cu_seqlens: torch.Tensor | None = None, previous: torch.Tensor | None = None
-                               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """norm_token_shift_mix in PyTorch: the add, layer_norm (rounded to s's dtype) and the lerps as
-    three steps."""
-    s = x + residual if residual is not None else x
-    return s, token_shift_mix_torch(norm_torch(s, weight, bias, eps, rms=False), mu, None, cu_seqlens, previous)
-
-
-def norm_token_shift_mix(x: torch.Tensor, mu: torch.Tensor, weight: torch.Tensor | None,
-                         bias: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
-                         cu_seqlens: torch.Tensor | None = None, backend: str = "auto"
-                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(s, token_shift_mix(layer_norm(s), mu)) with s = x + residual, or s = x: a pre-norm block's
-    residual stream and the N static lerps of its norm (flame.ops.layer_norm's `residual` and
-    `stream` forms followed by token_shift_mix, in one pass each way).
-
-    Args:
-        x: [B, T, C] floating; x and residual compute in one dtype (the autocast dtype under
-            autocast), the norm and the lerps in fp32; s and the lerps in that dtype.
-        mu: [N, C] per-channel coefficients, 1 <= N <= 6.
-        weight, bias: the norm's [C] parameters, or None; eps > 0 its epsilon.
-        residual: [B, T, C] added to x before the norm, or None.
-        cu_seqlens: offsets of documents packed into B == 1 (the token shift is zero at each start).
-        backend: "auto" (Triton for CUDA tensors, PyTorch for CPU), "triton" or "torch".
-
-    The Triton form saves s only and adds the gradient s receives from the stream into its own
-    backward pass. Decoding from a previous token goes through layer_norm and token_shift_mix.
-    """
-    op = "norm_token_shift_mix"
-    _check_inputs(x, mu, None, cu_seqlens, None, op)
-    check_norm_inputs(op, x, residual, weight, bias, eps)
-    x, residual = to_compute_dtype(x, residual)
-    with autocast_off(x.device):
-        if resolve_backend(backend, x.device, op) == "triton":
-            from .mix_triton import norm_token_shift_mix_triton
-            starts = sequence_starts(cu_seqlens, x.shape[1]) if cu_seqlens is not None else None
-            return norm_token_shift_mix_triton(x, mu, weight, bias, eps, residual, starts)
-        return norm_token_shift_mix_torch(x, mu, weight, bias, eps, residual, cu_seqlens)

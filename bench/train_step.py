@@ -5,6 +5,7 @@
     python -m bench.train_step --size 1B --libs flame           # the 1B configs
     python -m bench.train_step --families gsa -- --training.compile false   # trainer overrides after --
     python -m bench.train_step --families rwkv7 --libs flame --config configs/rwkv7_rwkvlm_demo.toml  # another config
+    python -m bench.train_step --families rwkv7 --libs flame --baseline ../base   # beside another flame tree
 
 What it measures (one CUDA GPU, as `python -m flame.train` runs there: fp32 weights under bf16
 autocast, no FSDP): each family's `configs/<family>_340M.toml` (or `--size 1B`; 32768 tokens per step, vocab 32000)
@@ -31,6 +32,12 @@ Per family and library it reports:
 
 Each (family, library) runs in its own process so that one failure does not stop the others and
 memory starts clean. Results print as a table and go to `--out` (JSON) when given.
+
+`--baseline DIR` also steps flame from another tree (`git worktree add DIR REV`, or `git archive
+REV flame bench configs | tar -x -C DIR` where the GPU machine has no git history): after each
+family's flame run, the same run from DIR's flame, bench and configs, with its own compile cache,
+labelled `flame@<DIR's name>`. A change is judged against its baseline of the same machine and
+call, as bench/RESULTS.md's rows are.
 """
 
 from __future__ import annotations
@@ -73,6 +80,28 @@ def trainer_args(family: str, size: str, steps: int, dump_folder: str, overrides
     # an override replaces the benchmark's own setting of its key (the trainer takes each key once)
     mine = [arg for key, value in settings.items() if key not in overrides for arg in (key, value)]
     return ["--config", config or str(REPO / "configs" / f"{family}_{size}.toml"), *mine, *overrides]
+
+
+def baseline_tree(path: str) -> Path:
+    """The flame tree of `--baseline`: a folder with flame/, bench/ and configs/ (exits naming what
+    is missing)."""
+    tree = Path(path).resolve()
+    missing = [part for part in ("flame/__init__.py", "bench/train_step.py", "configs") if not (tree / part).exists()]
+    if missing:
+        raise SystemExit(f"--baseline {path}: not a flame tree ({', '.join(missing)} missing); make one with "
+                         f"`git worktree add {path} REV` or `git archive REV flame bench configs | tar -x -C {path}`")
+    if tree == REPO:
+        raise SystemExit(f"--baseline {path} is this tree itself")
+    return tree
+
+
+def tree_env(tree: Path) -> dict:
+    """The environment of a child that imports flame and bench from `tree`: `tree` first on
+    PYTHONPATH, this tree's entries dropped (other entries, such as installed wheels, kept)."""
+    env = os.environ.copy()
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO]
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), *paths])
+    return env
 
 
 # ---- one (family, library) run, in a child process ---------------------------------------------
@@ -237,8 +266,11 @@ def main() -> int:
                         help="also write the profiled steps' chrome trace, DIR/<family>_<lib>.json")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per (family, library) run")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--baseline", metavar="DIR", help="also run flame from the flame tree at DIR, after "
+                                                          "each family's flame run (see the module docstring)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    baseline = baseline_tree(args.baseline) if args.baseline and not args.child else None
     require_cuda("bench.train_step")
 
     if args.child:
@@ -251,21 +283,30 @@ def main() -> int:
     libs = [lib for lib in args.libs.split(",") if lib != "fla" or fla_available()]
     if "fla" in args.libs.split(",") and "fla" not in libs:
         print(FLA_MISSING, flush=True)
+    runs = [(lib, REPO) for lib in libs]
+    if baseline is not None and "flame" in libs:
+        runs.insert(libs.index("flame") + 1, (f"flame@{baseline.name}", baseline))
     results = []
     for family in args.families.split(","):
-        for lib in libs:
+        for label, tree in runs:
+            lib = label.split("@")[0]
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 out = tmp.name
+            # the baseline compiles into a cache of its own, unless the overrides name one
+            cache = ([] if tree == REPO or "--training.compile_cache_dir" in overrides
+                     else ["--training.compile_cache_dir", f"{NODE_COMPILE_CACHE}-{tree.name}"])
             cmd = [sys.executable, "-m", "bench.train_step", "--child", f"{family}:{lib}:{out}", "--size", args.size,
                    "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
-                   "--host-profile", str(args.host_profile), *(["--trace", args.trace] if args.trace else []),
-                   *(["--config", args.config] if args.config else []),
-                   "--", *overrides]
-            print(f"=== {family} / {lib}: {' '.join(cmd[3:])}", flush=True)
+                   "--host-profile", str(args.host_profile),
+                   *(["--trace", str(Path(args.trace).resolve())] if args.trace else []),
+                   *(["--config", str(Path(args.config).resolve())] if args.config else []),
+                   "--", *overrides, *cache]
+            print(f"=== {family} / {label}: {' '.join(cmd[3:])}", flush=True)
             start = time.monotonic()
             try:
-                proc = subprocess.run(cmd, timeout=args.timeout, env=os.environ.copy())
+                proc = subprocess.run(cmd, timeout=args.timeout, cwd=None if tree == REPO else tree,
+                                      env=os.environ.copy() if tree == REPO else tree_env(tree))
                 code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
@@ -273,6 +314,7 @@ def main() -> int:
                 result = json.loads(Path(out).read_text())
             else:
                 result = {"family": family, "size": args.size, "lib": lib, "error": f"exit {code}"}
+            result["lib"] = label
             result["run_s"] = time.monotonic() - start
             os.unlink(out)
             results.append(result)

@@ -241,3 +241,63 @@ def test_matmul_shapes_counts_flops_and_groups_calls_by_shapes():
     table = product_table([event("aten::mm", [[4, 3], [3, 5]], 2.0), event("aten::mm", [[4, 3], [3, 5]], 3.0),
                            event("aten::mm", [[4, 3], [3, 6]], 1.0), event("aten::add", [[4], [4]], 9.0)])
     assert table == {("aten::mm", "[(4, 3), (3, 5)]"): [5.0, 2, 240], ("aten::mm", "[(4, 3), (3, 6)]"): [1.0, 1, 144]}
+
+
+def test_train_step_baseline_must_be_another_flame_tree(tmp_path):
+    from bench.train_step import REPO, baseline_tree
+
+    with pytest.raises(SystemExit, match=r"not a flame tree \(flame/__init__.py, bench/train_step.py, configs missing\)"):
+        baseline_tree(str(tmp_path))
+    with pytest.raises(SystemExit, match="is this tree itself"):
+        baseline_tree(str(REPO))
+    for part in ("flame", "bench", "configs"):
+        (tmp_path / part).mkdir()
+    (tmp_path / "flame" / "__init__.py").touch()
+    (tmp_path / "bench" / "train_step.py").touch()
+    assert baseline_tree(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_train_step_baseline_imports_its_own_tree(tmp_path, monkeypatch):
+    """The baseline's child finds flame and bench in its tree first, never in this one, and keeps
+    the other entries of PYTHONPATH (the GPU machine's wheels)."""
+    from bench.train_step import REPO, tree_env
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/site", str(REPO), str(REPO / ".")]))
+    assert tree_env(tmp_path)["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/tmp/site"]
+
+
+def test_train_step_runs_the_baseline_after_each_family_s_flame_run(tmp_path, monkeypatch):
+    """With --baseline, each family's flame run is followed by the baseline's: the same command in
+    the baseline's folder, with its own compile cache, its row labelled flame@<folder>."""
+    import json
+
+    from bench import train_step
+    from bench.timing import KINDS
+
+    for part in ("flame", "bench", "configs"):
+        (tmp_path / "base" / part).mkdir(parents=True)
+    (tmp_path / "base" / "flame" / "__init__.py").touch()
+    (tmp_path / "base" / "bench" / "train_step.py").touch()
+    calls = []
+
+    def fake_run(cmd, timeout, cwd, env):
+        family, lib, out = cmd[cmd.index("--child") + 1].split(":", 2)
+        calls.append((family, cwd, cmd[cmd.index("--") + 1:]))
+        Path(out).write_text(json.dumps({
+            "family": family, "size": "340M", "lib": lib, "compile": True, "tokens_per_s": 1e5, "peak_gib": 1.0,
+            "peak_reserved_gib": 1.0, "first_step_s": 1.0, "gpu_ms_per_step": dict.fromkeys(KINDS, 1.0),
+            "gpu_busy_ms_per_step": 1.0, "host_bound_ms_per_step": 0.0}))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(train_step, "require_cuda", lambda name: None)
+    monkeypatch.setattr(train_step.subprocess, "run", fake_run)
+    out = tmp_path / "results.json"
+    monkeypatch.setattr(sys, "argv", ["train_step", "--families", "rwkv7,gsa", "--libs", "flame", "--baseline",
+                                      str(tmp_path / "base"), "--out", str(out)])
+    assert train_step.main() == 0
+    base = (tmp_path / "base").resolve()
+    assert [(family, cwd) for family, cwd, _ in calls] == [("rwkv7", None), ("rwkv7", base), ("gsa", None),
+                                                          ("gsa", base)]
+    assert calls[0][2] == [] and calls[1][2] == ["--training.compile_cache_dir",
+                                                 f"{train_step.NODE_COMPILE_CACHE}-base"]
+    assert [r["lib"] for r in json.loads(out.read_text())] == ["flame", "flame@base"] * 2

@@ -35,9 +35,9 @@ memory starts clean. Results print as a table and go to `--out` (JSON) when give
 
 `--baseline DIR` also steps flame from another tree (`git worktree add DIR REV`, or `git archive
 REV flame bench configs | tar -x -C DIR` where the GPU machine has no git history): after each
-family's flame run, the same run from DIR's flame, bench and configs, with its own compile cache,
-labelled `flame@<DIR's name>`. A change is judged against its baseline of the same machine and
-call, as bench/RESULTS.md's rows are.
+family's flame run, the same run from DIR's flame, bench and configs, with its own compile cache
+and trace folder (`--trace`'s subfolder named as DIR), labelled `flame@<DIR's name>`. A change is
+judged against its baseline of the same machine and call, as bench/RESULTS.md's rows are.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from bench.fla_models import fla_model_factory
 from bench.launcher import NODE_COMPILE_CACHE
@@ -93,6 +94,18 @@ def baseline_tree(path: str) -> Path:
     if tree == REPO:
         raise SystemExit(f"--baseline {path} is this tree itself")
     return tree
+
+
+class Run(NamedTuple):
+    """One library's run per family: its row label, the library the child steps, the child's
+    working folder (None: this process's) and environment, its trace folder, and its trainer
+    overrides after the user's."""
+    label: str
+    lib: str
+    cwd: Path | None
+    env: dict
+    trace: Path | None
+    overrides: list[str]
 
 
 def tree_env(tree: Path) -> dict:
@@ -283,30 +296,31 @@ def main() -> int:
     libs = [lib for lib in args.libs.split(",") if lib != "fla" or fla_available()]
     if "fla" in args.libs.split(",") and "fla" not in libs:
         print(FLA_MISSING, flush=True)
-    runs = [(lib, REPO) for lib in libs]
+    trace = Path(args.trace).resolve() if args.trace else None
+    runs = [Run(lib, lib, None, os.environ.copy(), trace, []) for lib in libs]
     if baseline is not None and "flame" in libs:
-        runs.insert(libs.index("flame") + 1, (f"flame@{baseline.name}", baseline))
+        # the baseline compiles into a cache of its own, unless the overrides name one, and traces
+        # into a folder of its own
+        cache = ([] if "--training.compile_cache_dir" in overrides
+                 else ["--training.compile_cache_dir", f"{NODE_COMPILE_CACHE}-{baseline.name}"])
+        runs.insert(libs.index("flame") + 1, Run(f"flame@{baseline.name}", "flame", baseline, tree_env(baseline),
+                                                 trace / baseline.name if trace else None, cache))
     results = []
     for family in args.families.split(","):
-        for label, tree in runs:
-            lib = label.split("@")[0]
+        for run in runs:
+            label, lib = run.label, run.lib
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 out = tmp.name
-            # the baseline compiles into a cache of its own, unless the overrides name one
-            cache = ([] if tree == REPO or "--training.compile_cache_dir" in overrides
-                     else ["--training.compile_cache_dir", f"{NODE_COMPILE_CACHE}-{tree.name}"])
             cmd = [sys.executable, "-m", "bench.train_step", "--child", f"{family}:{lib}:{out}", "--size", args.size,
                    "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
-                   "--host-profile", str(args.host_profile),
-                   *(["--trace", str(Path(args.trace).resolve())] if args.trace else []),
+                   "--host-profile", str(args.host_profile), *(["--trace", str(run.trace)] if run.trace else []),
                    *(["--config", str(Path(args.config).resolve())] if args.config else []),
-                   "--", *overrides, *cache]
+                   "--", *overrides, *run.overrides]
             print(f"=== {family} / {label}: {' '.join(cmd[3:])}", flush=True)
             start = time.monotonic()
             try:
-                proc = subprocess.run(cmd, timeout=args.timeout, cwd=None if tree == REPO else tree,
-                                      env=os.environ.copy() if tree == REPO else tree_env(tree))
+                proc = subprocess.run(cmd, timeout=args.timeout, cwd=run.cwd, env=run.env)
                 code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"

@@ -282,7 +282,7 @@ def test_train_step_runs_the_baseline_after_each_family_s_flame_run(tmp_path, mo
 
     def fake_run(cmd, timeout, cwd, env):
         family, lib, out = cmd[cmd.index("--child") + 1].split(":", 2)
-        calls.append((family, cwd, cmd[cmd.index("--") + 1:]))
+        calls.append((family, cwd, cmd[cmd.index("--") + 1:], cmd[cmd.index("--trace") + 1]))
         Path(out).write_text(json.dumps({
             "family": family, "size": "340M", "lib": lib, "compile": True, "tokens_per_s": 1e5, "peak_gib": 1.0,
             "peak_reserved_gib": 1.0, "first_step_s": 1.0, "gpu_ms_per_step": dict.fromkeys(KINDS, 1.0),
@@ -293,11 +293,14 @@ def test_train_step_runs_the_baseline_after_each_family_s_flame_run(tmp_path, mo
     monkeypatch.setattr(train_step.subprocess, "run", fake_run)
     out = tmp_path / "results.json"
     monkeypatch.setattr(sys, "argv", ["train_step", "--families", "rwkv7,gsa", "--libs", "flame", "--baseline",
-                                      str(tmp_path / "base"), "--out", str(out)])
+                                      str(tmp_path / "base"), "--out", str(out), "--trace", str(tmp_path / "t")])
     assert train_step.main() == 0
     base = (tmp_path / "base").resolve()
-    assert [(family, cwd) for family, cwd, _ in calls] == [("rwkv7", None), ("rwkv7", base), ("gsa", None),
-                                                          ("gsa", base)]
+    assert [(family, cwd) for family, cwd, _, _ in calls] == [("rwkv7", None), ("rwkv7", base), ("gsa", None),
+                                                             ("gsa", base)]
     assert calls[0][2] == [] and calls[1][2] == ["--training.compile_cache_dir",
                                                  f"{train_step.NODE_COMPILE_CACHE}-base"]
+    # the baseline's trace goes to a folder of its own: the child names its file <family>_flame.json
+    traces = (tmp_path / "t").resolve()
+    assert [trace for _, _, _, trace in calls[:2]] == [str(traces), str(traces / "base")]
     assert [r["lib"] for r in json.loads(out.read_text())] == ["flame", "flame@base"] * 2

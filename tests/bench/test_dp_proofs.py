@@ -107,13 +107,18 @@ def test_failure_lines_match_what_flame_writes():
 
 
 def test_rank_pid_finds_the_process_of_a_rank():
-    child = subprocess.Popen(["sleep", "30"], env={**os.environ, "RANK": "3"})
+    # The child says "ready" only once it runs with its own environment: /proc shows the parent's
+    # environment until the child's exec, so asking before that races.
+    child = subprocess.Popen(["sh", "-c", "echo ready; exec sleep 30"], env={**os.environ, "RANK": "3"},
+                             stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline() == "ready\n"
         assert launcher.rank_pid(os.getpid(), 3) == child.pid
         assert launcher.rank_pid(os.getpid(), 2) is None
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
 
 
 def test_refuses_bad_plans(capsys):

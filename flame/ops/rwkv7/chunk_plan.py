@@ -110,7 +110,9 @@ class ChunkPlan:
         # tests/ops/test_rwkv7_bf16_trained_head.py)
         self.prec_state = "tf32x3"
         # the per-chunk kernels' fp32-operand products: bf16x3 (half the work of 3xTF32, the trained head's
-        # errors unchanged) for 16-bit inputs, 3xTF32 for fp32
+        # errors unchanged) for 16-bit inputs, 3xTF32 for fp32. One TF32 pass instead (emulated under the
+        # interpreter, trained head, T 1024) triples o's error in `prepare` and multiplies da's and dw's by
+        # 2.4 in `_bwd_intra`, and dw's by 1.5 in `_bwd_maps`
         self.prec = "tf32x3" if r.dtype == torch.float32 else "bf16x3"
         # the register cap of `prepare` and `_bwd_intra` at head dims <= 64: 3 programs per SM instead of
         # 2, faster despite some spilling (`_bwd_maps`, which spills little at this cap, is faster

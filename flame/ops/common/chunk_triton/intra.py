@@ -65,7 +65,8 @@ def mm_prec(a, b, PREC: tl.constexpr):
     """a @ b for fp32 operands, fp32 accumulation, at tl.dot's input_precision PREC ("ieee", "tf32",
     "tf32x3" or "bf16x3"). "bf16x3" (Triton's split of each operand into a bf16 high part and a bf16
     low part, products hi hi + hi lo + lo hi on the bf16 tensor cores: ~16 mantissa bits, fp32 range)
-    is emulated under the interpreter, which lacks it, with the same splits and fp32 products."""
+    is emulated under the interpreter, which lacks it, with the same splits and fp32 products; "tf32" by
+    truncating the operands, as the tensor cores read them."""
     if PREC == "bf16x3":
         if INTERPRET:
             a_hi = round_to_bf16(a)
@@ -75,6 +76,8 @@ def mm_prec(a, b, PREC: tl.constexpr):
             return tl.dot(a_hi, b_hi, input_precision="ieee") + lo
         else:
             return tl.dot(a, b, input_precision="bf16x3")
+    elif PREC == "tf32" and INTERPRET:
+        return tl.dot(truncate_to_tf32(a), truncate_to_tf32(b), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PREC)
 

@@ -41,14 +41,8 @@ def truncate_to_tf32(x):
 def mm_tf32(a, b, DT: tl.constexpr):
     """a @ b for fp32 operands that should not be rounded to 16 bits (e.g. dA, A in the backward;
     docs/kernels.md#rwkv6-chunked-backward): TF32 products (10-bit mantissas, fp32 accumulation)
-    for 16-bit inputs, full fp32 for fp32 inputs. Under the interpreter TF32 is emulated by truncating the operands."""
-    if DT == tl.float32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif INTERPRET:
-        return tl.dot(truncate_to_tf32(a.to(tl.float32)), truncate_to_tf32(b.to(tl.float32)),
-                      input_precision="ieee")
-    else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    for 16-bit inputs (`mm_prec`, which emulates TF32 under the interpreter), full fp32 for fp32 inputs."""
+    return mm_prec(a.to(tl.float32), b.to(tl.float32), "ieee" if DT == tl.float32 else "tf32")
 
 
 @triton.jit
@@ -84,14 +78,10 @@ def mm_prec(a, b, PREC: tl.constexpr):
 
 @triton.jit
 def mm_tf32_if(a, b, TF32: tl.constexpr, PREC: tl.constexpr):
-    """a @ b for fp32 operands, fp32 accumulation: one TF32 pass where TF32 is 1 (2: the same under the
-    interpreter, by truncating the operands), `mm_prec` with PREC (e.g. "tf32x3") where it is 0."""
-    if TF32 == 1:
-        return tl.dot(a, b, input_precision="tf32")
-    elif TF32 == 2:
-        return tl.dot(truncate_to_tf32(a), truncate_to_tf32(b), input_precision="ieee")
-    else:
-        return mm_prec(a, b, PREC)
+    """a @ b for fp32 operands, fp32 accumulation: one TF32 pass where TF32 is 1 or 2 (the value the
+    plans give under the interpreter; `mm_prec` emulates TF32 there), `mm_prec` with PREC (e.g.
+    "tf32x3") where it is 0."""
+    return mm_prec(a, b, "tf32" if TF32 != 0 else PREC)
 
 
 @triton.jit
